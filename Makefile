@@ -1,0 +1,45 @@
+# Two entry points for a fresh clone: `make demo` and `make test`. Both build the venv from this
+# repository's own files; `make test` also installs Debian's prometheus (promtool) when missing.
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+TORCH_VERSION := 2.13.0
+
+.PHONY: demo test lint typecheck unit docs bench clean system-deps
+
+$(BIN)/tqmon: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip
+	# CPU torch first: transferqueue depends on torch, and pip would otherwise fetch a multi-GB CUDA build.
+	$(BIN)/pip install --quiet torch==$(TORCH_VERSION)
+	$(BIN)/pip install --quiet -e '.[dev,tq,otel]'
+	touch $@
+
+system-deps:
+	@command -v promtool >/dev/null && command -v prometheus >/dev/null || { \
+	  echo "installing Debian's prometheus (for promtool and the end-to-end tests)"; \
+	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq prometheus >/dev/null; }
+
+demo: $(BIN)/tqmon
+	$(BIN)/tqmon demo
+
+lint: $(BIN)/tqmon
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+typecheck: $(BIN)/tqmon
+	$(BIN)/mypy
+
+unit: $(BIN)/tqmon system-deps
+	$(BIN)/pytest
+
+test: lint typecheck unit
+
+docs: $(BIN)/tqmon
+	$(BIN)/python -m tqmon.docs
+
+bench: $(BIN)/tqmon
+	$(BIN)/python bench/bench_service.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache tqmon-state

@@ -1,0 +1,294 @@
+"""The metric catalog: the single source of truth for every series tqmon exposes.
+
+Exposition, the OTLP exporter, ``docs/metrics.md`` and the tests all read this table, so a
+metric cannot exist in one place and not in the others.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+from tqmon.warmup import DOOM_REASONS, PROMPT_STATUSES, WarmupState
+
+NAMESPACE = "tqmon"
+
+
+class MetricType(enum.StrEnum):
+    GAUGE = "gauge"
+    COUNTER = "counter"
+    GAUGEHISTOGRAM = "gaugehistogram"
+    STATESET = "stateset"  # exposed as a 0/1 gauge per state, like kube-state-metrics' phases
+    INFO = "info"
+
+
+@dataclass(frozen=True, slots=True)
+class Label:
+    """A label and its allowed values; ``values is None`` only for identity labels of ``_info`` metrics."""
+
+    name: str
+    values: tuple[str, ...] | None
+    help: str
+
+
+@dataclass(frozen=True, slots=True)
+class MetricSpec:
+    name: str
+    type: MetricType
+    help: str
+    unit: str = ""
+    labels: tuple[Label, ...] = ()
+
+    @property
+    def label_names(self) -> tuple[str, ...]:
+        return tuple(label.name for label in self.labels)
+
+    @property
+    def state_label(self) -> Label:
+        """The label that carries the state of a stateset (always its last label)."""
+        if self.type is not MetricType.STATESET:
+            raise TypeError(f"{self.name} is not a stateset")
+        return self.labels[-1]
+
+
+SOURCES = ("tq", "checkpoint", "log", "jsonl", "events")
+PARTITIONS = ("train", "val")
+WINDOW_STATUSES = ("ok", "under_filled", "over_filled", "unknown")
+TRAINER_MODES = ("colocate_async", "separate_async", "sync", "unknown")
+REJECT_REASONS = ("malformed_json", "invalid_event", "unknown_type", "too_large", "unauthorized")
+SOURCE_ERROR_REASONS = ("read_error", "malformed_line", "timeout", "unavailable", "invalid_data")
+EVENT_OUTCOMES = ("applied", "duplicate")
+LOG_LINE_OUTCOMES = ("event", "ignored", "malformed")
+AGE_BUCKETS = (0.0, 1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0)
+
+PARTITION = Label("partition", PARTITIONS, "TransferQueue partition: `train` or `val`.")
+STATUS = Label(
+    "status",
+    (*PROMPT_STATUSES, "unknown"),
+    "Prompt group status from its TQ tag; `unknown` where a source gives only a total.",
+)
+REASON = Label(
+    "reason", DOOM_REASONS, "Why the first sample after a resume evicts the group (failure > stale > filtered)."
+)
+SOURCE = Label("source", SOURCES, "The tqmon source that observed it.")
+
+_BY_STATUS = "Labelled by status; the sum over status is the total."
+
+
+CATALOG: tuple[MetricSpec, ...] = (
+    # Live window, from the freshest source that sees it.
+    MetricSpec(
+        "tqmon_window_prompt_groups",
+        MetricType.GAUGE,
+        f"Prompt groups in the TransferQueue prefetch window now. {_BY_STATUS}",
+        "prompt_groups",
+        (PARTITION, STATUS),
+    ),
+    MetricSpec(
+        "tqmon_window_trajectories",
+        MetricType.GAUGE,
+        "Trajectory keys in the partition now.",
+        "trajectories",
+        (PARTITION,),
+    ),
+    MetricSpec(
+        "tqmon_window_orphan_trajectories",
+        MetricType.GAUGE,
+        "Trajectory keys whose prompt uid has no prompt key (nothing clears them after a resume).",
+        "trajectories",
+        (PARTITION,),
+    ),
+    MetricSpec(
+        "tqmon_window_target_prompt_groups",
+        MetricType.GAUGE,
+        "Target prefetch window T = floor(num_warmup_batches * train_batch_size / gen_batch_size) * gen_batch_size.",
+        "prompt_groups",
+    ),
+    MetricSpec(
+        "tqmon_window_prompt_group_age_steps",
+        MetricType.GAUGEHISTOGRAM,
+        "Trainer step minus the tag global_steps of the live training prompt groups.",
+        "steps",
+    ),
+    MetricSpec(
+        "tqmon_window_status",
+        MetricType.STATESET,
+        "Live training window against the target: ok, under_filled, over_filled or unknown.",
+        "",
+        (Label("status", WINDOW_STATUSES, "Window verdict."),),
+    ),
+    # Resumes.
+    MetricSpec("tqmon_resumes_total", MetricType.COUNTER, "Resumes from a checkpoint observed for this run."),
+    MetricSpec(
+        "tqmon_last_resume_timestamp_seconds",
+        MetricType.GAUGE,
+        "When the last trainer start (resume or fresh start) was first observed.",
+        "seconds",
+    ),
+    MetricSpec(
+        "tqmon_last_resume_checkpoint_step",
+        MetricType.GAUGE,
+        "Checkpoint step N the last start resumed from (0 for a fresh start).",
+    ),
+    MetricSpec(
+        "tqmon_resume_restored_prompt_groups",
+        MetricType.GAUGE,
+        f"Prompt groups R restored from TransferQueue at the last start. {_BY_STATUS}",
+        "prompt_groups",
+        (STATUS,),
+    ),
+    MetricSpec(
+        "tqmon_resume_reissued_prompt_groups",
+        MetricType.GAUGE,
+        "In-flight (pending/running) restored prompt groups K re-issued at the last start.",
+        "prompt_groups",
+    ),
+    MetricSpec(
+        "tqmon_resume_warmup_target_prompt_groups",
+        MetricType.GAUGE,
+        "Target window T in force at the last start.",
+        "prompt_groups",
+    ),
+    MetricSpec(
+        "tqmon_resume_warmup_expected_prompt_groups",
+        MetricType.GAUGE,
+        "Warmup prompts verl 0.9.1 should submit at the last start: max(0, T - R), computed by tqmon.",
+        "prompt_groups",
+    ),
+    MetricSpec(
+        "tqmon_resume_warmup_submitted_prompt_groups",
+        MetricType.GAUGE,
+        "Warmup prompts the trainer actually submitted at the last start.",
+        "prompt_groups",
+    ),
+    MetricSpec(
+        "tqmon_resume_over_restored_prompt_groups",
+        MetricType.GAUGE,
+        "Restored prompt groups beyond the target O = max(0, R - T); kept, never trimmed.",
+        "prompt_groups",
+    ),
+    MetricSpec(
+        "tqmon_resume_doomed_prompt_groups",
+        MetricType.GAUGE,
+        "Restored prompt groups the first sample after the last start evicts, by reason (each counted once).",
+        "prompt_groups",
+        (REASON,),
+    ),
+    MetricSpec(
+        "tqmon_resume_under_submitted_prompt_groups",
+        MetricType.GAUGE,
+        "Useful work missing right after the last warmup: max(0, T - (R - doomed + M)).",
+        "prompt_groups",
+    ),
+    MetricSpec(
+        "tqmon_resume_warmup_state",
+        MetricType.STATESET,
+        "What the warmup did at the last start.",
+        "",
+        (Label("state", tuple(WarmupState), "Warmup decision."),),
+    ),
+    # Checkpoint directory prediction.
+    MetricSpec(
+        "tqmon_checkpoint_step",
+        MetricType.GAUGE,
+        "Step N of the latest checkpoint seen.",
+    ),
+    MetricSpec(
+        "tqmon_checkpoint_prompt_groups",
+        MetricType.GAUGE,
+        f"Prompt groups a resume from the latest checkpoint would restore. {_BY_STATUS}",
+        "prompt_groups",
+        (STATUS,),
+    ),
+    MetricSpec(
+        "tqmon_checkpoint_doomed_prompt_groups",
+        MetricType.GAUGE,
+        "Prompt groups the first sample after a resume from the latest checkpoint would evict, by reason.",
+        "prompt_groups",
+        (REASON,),
+    ),
+    MetricSpec(
+        "tqmon_checkpoint_orphan_trajectories",
+        MetricType.GAUGE,
+        "Trajectory keys without a prompt key in the latest checkpoint.",
+        "trajectories",
+    ),
+    # Trainer progress and identity.
+    MetricSpec("tqmon_trainer_global_step", MetricType.GAUGE, "Last trainer global step observed."),
+    MetricSpec(
+        "tqmon_trainer_last_event_timestamp_seconds",
+        MetricType.GAUGE,
+        "When the trainer was last heard from (any source).",
+        "seconds",
+    ),
+    MetricSpec(
+        "tqmon_run_info",
+        MetricType.INFO,
+        "Identity of the monitored run.",
+        "",
+        (
+            Label("run_id", None, "Run id from the run_started event, else empty."),
+            Label("trainer_mode", TRAINER_MODES, "trainer.v1.trainer_mode."),
+            Label("verl_version", None, "verl version reported or inferred, else empty."),
+        ),
+    ),
+    MetricSpec(
+        "tqmon_build_info",
+        MetricType.INFO,
+        "tqmon build information.",
+        "",
+        (Label("version", None, "tqmon version."),),
+    ),
+    # Health of each source.
+    MetricSpec(
+        "tqmon_source_up",
+        MetricType.GAUGE,
+        "1 if the source's last attempt succeeded and its data is fresh, else 0.",
+        "",
+        (SOURCE,),
+    ),
+    MetricSpec(
+        "tqmon_source_last_success_timestamp_seconds",
+        MetricType.GAUGE,
+        "When the source last succeeded.",
+        "seconds",
+        (SOURCE,),
+    ),
+    MetricSpec(
+        "tqmon_source_poll_duration_seconds",
+        MetricType.GAUGE,
+        "Duration of the source's last poll or read.",
+        "seconds",
+        (SOURCE,),
+    ),
+    MetricSpec(
+        "tqmon_source_errors_total",
+        MetricType.COUNTER,
+        "Failed polls, reads and malformed records of a source.",
+        "",
+        (SOURCE, Label("reason", SOURCE_ERROR_REASONS, "Error class.")),
+    ),
+    MetricSpec(
+        "tqmon_events_total",
+        MetricType.COUNTER,
+        "Events accepted from each source; duplicates (an id seen before) are accepted once and not applied.",
+        "",
+        (SOURCE, Label("outcome", EVENT_OUTCOMES, "applied or duplicate.")),
+    ),
+    MetricSpec(
+        "tqmon_events_rejected_total",
+        MetricType.COUNTER,
+        "Event API requests rejected, by reason; a rejected request changes no state.",
+        "",
+        (Label("reason", REJECT_REASONS, "Why the request was rejected."),),
+    ),
+    MetricSpec(
+        "tqmon_log_lines_total",
+        MetricType.COUNTER,
+        "Trainer log lines read: turned into an event, ignored (other output), or malformed (skipped).",
+        "",
+        (Label("outcome", LOG_LINE_OUTCOMES, "What happened to the line."),),
+    ),
+)
+
+BY_NAME: dict[str, MetricSpec] = {spec.name: spec for spec in CATALOG}

@@ -1,0 +1,52 @@
+"""Generates ``docs/metrics.md`` from the catalog (``python -m tqmon.docs``; a test fails on drift)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from tqmon.catalog import CATALOG, MetricSpec, MetricType
+
+METRICS_DOC = Path(__file__).resolve().parent.parent / "docs" / "metrics.md"
+
+HEADER = """\
+# tqmon metrics
+
+Generated from `tqmon/catalog.py` by `make docs`; do not edit by hand (a test fails when this file drifts).
+
+Conventions: prompt groups are counted in `_prompt_groups`, timestamps are `_timestamp_seconds`,
+counters end in `_total`. Labels are closed sets; run identity lives only on `tqmon_run_info`.
+Statesets are exposed as one 0/1 gauge per state, the state in the label shown. A value no source
+has established yet is omitted; a value known to be empty is exported as 0. The `tqmon_resume_*`
+series describe the last trainer start (resume or fresh start); `/api/v1/status` has every one.
+
+"""
+
+
+def _labels(spec: MetricSpec) -> str:
+    if not spec.labels:
+        return "—"
+    parts = []
+    for label in spec.labels:
+        values = "any" if label.values is None else ", ".join(label.values)
+        parts.append(f"`{label.name}` ({values})")
+    return "<br>".join(parts)
+
+
+def render() -> str:
+    rows = ["| metric | type | unit | labels | help |", "| --- | --- | --- | --- | --- |"]
+    for spec in CATALOG:
+        kind = spec.type.value + (" (0/1 gauge per state)" if spec.type is MetricType.STATESET else "")
+        rows.append(f"| `{spec.name}` | {kind} | {spec.unit or '—'} | {_labels(spec)} | {spec.help} |")
+    return HEADER + "\n".join(rows) + "\n"
+
+
+def main() -> int:
+    METRICS_DOC.parent.mkdir(exist_ok=True)
+    METRICS_DOC.write_text(render())
+    print(f"wrote {METRICS_DOC}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,222 @@
+"""The one event schema every source speaks: the HTTP API, the log tailer and later TQ, checkpoints, JSONL.
+
+Each event carries an ``id``; the tracker applies an id once, which makes posting and re-reading
+idempotent. Sources that derive events (the log tailer) give them deterministic ids.
+"""
+
+from __future__ import annotations
+
+import time
+from datetime import UTC, datetime
+from typing import Annotated, Literal
+
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    NonNegativeFloat,
+    NonNegativeInt,
+    TypeAdapter,
+    field_validator,
+    model_validator,
+)
+
+from tqmon.catalog import PARTITIONS, SOURCES
+from tqmon.warmup import DOOM_REASONS, PROMPT_STATUSES, WarmupConfig
+
+EventId = Annotated[str, Field(min_length=1, max_length=200, description="Unique id; a repeated id is applied once.")]
+Status = Literal["pending", "running", "finished", "failure"]
+Partition = Literal["train", "val"]
+SkipReason = Literal["window_full", "sync_mode", "skip_rollout_tq", "non_positive_warmup"]
+
+assert set(PROMPT_STATUSES) == {"pending", "running", "finished", "failure"}
+assert set(PARTITIONS) == {"train", "val"}
+
+
+class _Event(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    id: EventId
+    time: datetime | None = Field(
+        None, description="When it happened (ISO 8601 or unix seconds); defaults to when tqmon received it."
+    )
+
+    @field_validator("time")
+    @classmethod
+    def _assume_utc(cls, value: datetime | None) -> datetime | None:
+        if value is not None and value.tzinfo is None:
+            return value.replace(tzinfo=UTC)
+        return value
+
+    def timestamp(self, default: float | None = None) -> float:
+        if self.time is not None:
+            return self.time.timestamp()
+        return time.time() if default is None else default
+
+
+class TrainerConfig(BaseModel):
+    """The verl settings that decide the warmup and the first sample's evictions."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    train_batch_size: int = Field(gt=0, description="data.train_batch_size")
+    gen_batch_size: int | None = Field(None, gt=0, description="data.gen_batch_size (async modes force 1)")
+    num_warmup_batches: float = Field(description="trainer.v1.<mode>.num_warmup_batches (may be fractional)")
+    skip_rollout_tq: bool = Field(False, description="skip.rollout_tq.enable")
+    max_off_policy_threshold: int | None = Field(8, description="trainer.v1.sampler.max_off_policy_threshold")
+    max_off_policy_strategy: Literal["drop", "wait"] = Field(
+        "drop", description="trainer.v1.sampler.max_off_policy_strategy"
+    )
+    filter_groups: bool = Field(False, description="algorithm.filter_groups.enable")
+
+    def warmup_config(self, trainer_mode: str) -> WarmupConfig:
+        return WarmupConfig(trainer_mode=trainer_mode, **self.model_dump())
+
+
+class RunStarted(_Event):
+    """The trainer process started (fresh or resumed); carries the warmup-relevant config."""
+
+    type: Literal["run_started"] = "run_started"
+    run_id: str = Field(min_length=1, max_length=200)
+    trainer_mode: Literal["colocate_async", "separate_async", "sync"]
+    verl_version: str = Field("", max_length=50)
+    config: TrainerConfig
+
+
+class TrainingStarted(_Event):
+    """verl picked its starting point: ``Resuming from …, setting global step to N`` or ``Training from scratch``."""
+
+    type: Literal["training_started"] = "training_started"
+    resumed_from_step: NonNegativeInt | None = Field(None, description="N of global_step_N, null for a fresh start")
+    checkpoint_path: str | None = None
+
+
+class GroupCount(BaseModel):
+    """Restored prompt groups sharing a status and a submission step."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    status: Status
+    global_steps: NonNegativeInt
+    count: NonNegativeInt
+    filtered: bool = Field(False, description="DAPO would reject these finished groups (zero reward variance)")
+
+
+class CheckpointRestored(_Event):
+    """TransferQueue state was loaded: R prompt groups restored from global_step_N."""
+
+    type: Literal["checkpoint_restored"] = "checkpoint_restored"
+    step: NonNegativeInt | None = Field(None, description="checkpoint step N; null attaches to the open resume")
+    restored_prompt_groups: NonNegativeInt
+    by_status: dict[Status, NonNegativeInt] | None = None
+    groups: list[GroupCount] | None = Field(None, description="composition by status and global_steps")
+
+    @model_validator(mode="after")
+    def _breakdowns_sum_to_total(self) -> CheckpointRestored:
+        total = self.restored_prompt_groups
+        if self.by_status is not None and sum(self.by_status.values()) != total:
+            raise ValueError(f"by_status sums to {sum(self.by_status.values())}, restored_prompt_groups is {total}")
+        if self.groups is not None and sum(g.count for g in self.groups) != total:
+            raise ValueError(f"groups sum to {sum(g.count for g in self.groups)}, restored_prompt_groups is {total}")
+        return self
+
+    def status_counts(self) -> dict[str, int] | None:
+        """R by status, from ``by_status`` or the ``groups`` composition; None if only the total is known."""
+        if self.by_status is not None:
+            return {str(status): count for status, count in self.by_status.items()}
+        if self.groups is not None:
+            counts = dict.fromkeys(PROMPT_STATUSES, 0)
+            for group in self.groups:
+                counts[group.status] += group.count
+            return counts
+        return None
+
+
+class InflightReissued(_Event):
+    """``_reissue_inflight_prompts``: K pending/running groups re-issued for step N+1."""
+
+    type: Literal["inflight_reissued"] = "inflight_reissued"
+    step: NonNegativeInt | None = Field(None, description="the resumed step N+1")
+    reissued_prompt_groups: NonNegativeInt
+    cleared_trajectories: NonNegativeInt = 0
+    partition: Partition = "train"
+
+
+class WarmupDecided(_Event):
+    """The warmup top-up's decision; give ``submitted_prompt_groups`` or a ``skip_reason``."""
+
+    type: Literal["warmup_decided"] = "warmup_decided"
+    target_prompt_groups: NonNegativeInt | None = None
+    restored_prompt_groups: NonNegativeInt | None = None
+    submitted_prompt_groups: NonNegativeInt | None = None
+    skip_reason: SkipReason | None = None
+    legacy_warmup_batches: NonNegativeInt | None = Field(
+        None, description="verl 0.9.0 'Added {n} warmup batches': n whole batches on top of the restore"
+    )
+
+
+class StepCompleted(_Event):
+    """One trainer step finished."""
+
+    type: Literal["step_completed"] = "step_completed"
+    global_step: NonNegativeInt
+    evicted_prompt_groups: dict[Literal["failure", "stale", "filtered"], NonNegativeInt] = Field(default_factory=dict)
+    generation_wait_seconds: NonNegativeFloat | None = None
+
+
+class CheckpointSaved(_Event):
+    """``Saving checkpoint to …/global_step_N``, optionally with the window composition saved."""
+
+    type: Literal["checkpoint_saved"] = "checkpoint_saved"
+    step: NonNegativeInt
+    path: str | None = None
+    by_status: dict[Status, NonNegativeInt] | None = None
+
+
+class WindowObserved(_Event):
+    """A count of the training window by status (the replay buffer's ``pending: a, running: b, …`` line)."""
+
+    type: Literal["window_observed"] = "window_observed"
+    partition: Partition = "train"
+    by_status: dict[Status, NonNegativeInt]
+
+
+Event = Annotated[
+    RunStarted
+    | TrainingStarted
+    | CheckpointRestored
+    | InflightReissued
+    | WarmupDecided
+    | StepCompleted
+    | CheckpointSaved
+    | WindowObserved,
+    Field(discriminator="type"),
+]
+EVENT_TYPES: tuple[type[_Event], ...] = (
+    RunStarted,
+    TrainingStarted,
+    CheckpointRestored,
+    InflightReissued,
+    WarmupDecided,
+    StepCompleted,
+    CheckpointSaved,
+    WindowObserved,
+)
+EVENT_TYPE_NAMES = frozenset(cls.model_fields["type"].default for cls in EVENT_TYPES)
+EVENT_ADAPTER: TypeAdapter[Event] = TypeAdapter(Event)
+
+assert set(DOOM_REASONS) == {"failure", "stale", "filtered"}
+assert "events" in SOURCES
+
+
+def parse_event(raw: object) -> Event:
+    """Validate one decoded JSON object as an event (raises ``pydantic.ValidationError``)."""
+    return EVENT_ADAPTER.validate_python(raw)
+
+
+def dump_event(event: Event) -> str:
+    return event.model_dump_json(exclude_none=True)
+
+
+def load_event(text: str) -> Event:
+    return EVENT_ADAPTER.validate_json(text)

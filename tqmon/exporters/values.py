@@ -1,0 +1,127 @@
+"""What to expose for one snapshot, independent of wire format (Prometheus pull and OTLP push share it).
+
+Known-empty values are exported as 0; values no source has established are omitted.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+
+from tqmon.catalog import BY_NAME, MetricSpec, MetricType
+from tqmon.snapshot import Snapshot
+from tqmon.warmup import PROMPT_STATUSES
+
+Labels = tuple[str, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class Series:
+    labels: Labels
+    value: float
+
+
+@dataclass(frozen=True, slots=True)
+class HistogramSeries:
+    labels: Labels
+    buckets: tuple[tuple[float, int], ...]  # cumulative (le, count), the last le is +Inf
+    sum: float
+
+
+def _by_status(counts: Mapping[str, int], prefix: Labels = ()) -> list[Series]:
+    """A split by status exports every status (0 when absent: the source counted them all);
+    a bare total exports only ``status="unknown"``."""
+    statuses = ["unknown"] if set(counts) == {"unknown"} else PROMPT_STATUSES
+    return [Series((*prefix, status), counts.get(status, 0)) for status in statuses]
+
+
+def _stateset(spec: MetricSpec, current: str) -> list[Series]:
+    values = spec.state_label.values or ()
+    return [Series((value,), 1.0 if value == current else 0.0) for value in values]
+
+
+def _opt(value: float | None) -> list[Series]:
+    return [] if value is None else [Series((), value)]
+
+
+def _counter(spec: MetricSpec, snapshot: Snapshot, sources: tuple[str, ...]) -> list[Series]:
+    """All label combinations of a closed-set counter, so an absent error reads 0 rather than no data."""
+    observed = snapshot.counters.get(spec.name, {})
+    first = spec.labels[0]
+    firsts = sources if first.name == "source" else (first.values or ())
+    rest = spec.labels[1].values or () if len(spec.labels) > 1 else None
+    combos: list[Labels] = [(a, b) for a in firsts for b in rest] if rest is not None else [(a,) for a in firsts]
+    return [Series(labels, observed.get(labels, 0)) for labels in combos]
+
+
+def metric_values(snapshot: Snapshot, now: float) -> Iterator[tuple[MetricSpec, list[Series] | list[HistogramSeries]]]:
+    """Yield (spec, series) for every catalog metric that has something to say; in catalog order."""
+    windows = snapshot.fresh_windows(now)
+    train = next((w for w in windows if w.partition == "train"), None)
+    record = snapshot.last_record
+    checkpoint = snapshot.checkpoint
+    sources = tuple(s.source for s in snapshot.sources)
+
+    values: dict[str, list[Series] | list[HistogramSeries]] = {
+        "tqmon_window_prompt_groups": [s for w in windows for s in _by_status(w.by_status, (w.partition,))],
+        "tqmon_window_trajectories": [
+            Series((w.partition,), w.trajectories) for w in windows if w.trajectories is not None
+        ],
+        "tqmon_window_orphan_trajectories": [
+            Series((w.partition,), w.orphan_trajectories) for w in windows if w.orphan_trajectories is not None
+        ],
+        "tqmon_window_target_prompt_groups": _opt(snapshot.target_window),
+        "tqmon_window_prompt_group_age_steps": (
+            [HistogramSeries((), train.age_buckets, train.age_sum or 0.0)]
+            if train is not None and train.age_buckets is not None
+            else []
+        ),
+        "tqmon_window_status": _stateset(BY_NAME["tqmon_window_status"], snapshot.window_status(now)),
+        "tqmon_resumes_total": [Series((), snapshot.resumes_total)],
+        "tqmon_trainer_global_step": _opt(snapshot.trainer_step),
+        "tqmon_trainer_last_event_timestamp_seconds": _opt(snapshot.trainer_last_event),
+        "tqmon_build_info": [Series((snapshot.version,), 1)],
+        "tqmon_source_up": [Series((s.source,), float(s.up(now))) for s in snapshot.sources],
+        "tqmon_source_last_success_timestamp_seconds": [
+            Series((s.source,), s.last_success) for s in snapshot.sources if s.last_success is not None
+        ],
+        "tqmon_source_poll_duration_seconds": [
+            Series((s.source,), s.last_duration) for s in snapshot.sources if s.last_duration is not None
+        ],
+    }
+    if snapshot.run is not None:
+        run = snapshot.run
+        values["tqmon_run_info"] = [Series((run.run_id, run.trainer_mode, run.verl_version), 1)]
+    if record is not None:
+        values |= {
+            "tqmon_last_resume_timestamp_seconds": [Series((), record.started_at)],
+            "tqmon_last_resume_checkpoint_step": _opt(record.checkpoint_step),
+            "tqmon_resume_restored_prompt_groups": _by_status(record.restored_by_status or {})
+            if record.restored_by_status is not None
+            else [],
+            "tqmon_resume_reissued_prompt_groups": _opt(record.reissued),
+            "tqmon_resume_warmup_target_prompt_groups": _opt(record.target),
+            "tqmon_resume_warmup_expected_prompt_groups": _opt(record.expected),
+            "tqmon_resume_warmup_submitted_prompt_groups": _opt(record.submitted),
+            "tqmon_resume_over_restored_prompt_groups": _opt(record.over_restored),
+            "tqmon_resume_doomed_prompt_groups": [Series((r,), n) for r, n in (record.doomed or {}).items()],
+            "tqmon_resume_under_submitted_prompt_groups": _opt(record.under_submitted),
+            "tqmon_resume_warmup_state": _stateset(BY_NAME["tqmon_resume_warmup_state"], record.warmup_state),
+        }
+    if checkpoint is not None:
+        values |= {
+            "tqmon_checkpoint_step": [Series((), checkpoint.step)],
+            "tqmon_checkpoint_prompt_groups": _by_status(checkpoint.by_status) if checkpoint.by_status else [],
+            "tqmon_checkpoint_doomed_prompt_groups": [Series((r,), n) for r, n in (checkpoint.doomed or {}).items()],
+            "tqmon_checkpoint_orphan_trajectories": _opt(checkpoint.orphan_trajectories),
+        }
+    for spec in BY_NAME.values():
+        if spec.type is MetricType.COUNTER and spec.labels:
+            values[spec.name] = _counter(spec, snapshot, sources)
+    if "log" not in sources:
+        values.pop("tqmon_log_lines_total", None)
+
+    for spec in BY_NAME.values():
+        series = values.get(spec.name)
+        if series:
+            yield spec, series

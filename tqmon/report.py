@@ -1,0 +1,74 @@
+"""Human-readable verdicts and tables of resume records (``tqmon analyze``, the demo, the landing page)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from datetime import UTC, datetime
+
+from tqmon.snapshot import ResumeRecord
+from tqmon.warmup import WarmupState
+
+
+def verdict(record: ResumeRecord) -> str:
+    """One line an operator can act on."""
+    problems = []
+    if record.warmup_state is WarmupState.LEGACY_UNCONDITIONAL:
+        problems.append("legacy verl 0.9.0 warmup stacked a full window on the restore")
+    if record.submitted is not None and record.expected is not None and record.submitted != record.expected:
+        problems.append(f"warmup submitted {record.submitted}, expected {record.expected}")
+    if record.under_submitted:
+        problems.append(f"UNDER-SUBMITTED by {record.under_submitted}")
+    if record.over_restored:
+        problems.append(f"over-restored by {record.over_restored} (kept all run)")
+    if problems:
+        return "; ".join(problems)
+    if record.warmup_state is WarmupState.UNKNOWN:
+        return "incomplete: warmup decision not seen"
+    return "ok"
+
+
+def _fmt(value: int | None) -> str:
+    return "-" if value is None else str(value)
+
+
+def _statuses(counts: Mapping[str, int] | None) -> str:
+    if not counts:
+        return ""
+    return " (" + ", ".join(f"{k} {v}" for k, v in counts.items() if v) + ")" if set(counts) != {"unknown"} else ""
+
+
+def _doomed(record: ResumeRecord) -> str:
+    if record.doomed is None:
+        return "-"
+    total = sum(record.doomed.values())
+    known = "" if len(record.doomed) == 3 else "≥"
+    return f"{known}{total}"
+
+
+COLUMNS = ("#", "started (UTC)", "from", "R", "K", "T", "M exp", "M sub", "O", "doomed", "deficit", "state", "verdict")
+
+
+def table(records: Sequence[ResumeRecord]) -> str:
+    rows = [COLUMNS]
+    for r in records:
+        started = datetime.fromtimestamp(r.started_at, UTC).strftime("%Y-%m-%d %H:%M:%S")
+        rows.append(
+            (
+                str(r.index),
+                started,
+                f"step {r.checkpoint_step}" if r.resumed else "scratch",
+                _fmt(r.restored) + _statuses(r.restored_by_status),
+                _fmt(r.reissued),
+                _fmt(r.target),
+                _fmt(r.expected),
+                _fmt(r.submitted),
+                _fmt(r.over_restored),
+                _doomed(r),
+                _fmt(r.under_submitted),
+                str(r.warmup_state),
+                verdict(r),
+            )
+        )
+    widths = [max(len(row[i]) for row in rows) for i in range(len(COLUMNS))]
+    lines = ["  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)).rstrip() for row in rows]
+    return "\n".join(lines)

@@ -1,0 +1,142 @@
+"""Immutable views the tracker publishes; exporters and the API read them without locks or I/O."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from tqmon.warmup import WarmupState
+
+
+@dataclass(frozen=True, slots=True)
+class Evidence:
+    """One fact a source reported about a resume: which source said what, and when."""
+
+    source: str
+    event_type: str
+    event_id: str
+    at: float
+    detail: str
+
+
+@dataclass(frozen=True, slots=True)
+class ResumeRecord:
+    """One trainer start (a resume from global_step_N, or a fresh start) and what its warmup did."""
+
+    index: int
+    resumed: bool
+    started_at: float
+    run_id: str = ""
+    checkpoint_step: int | None = None  # N
+    restored: int | None = None  # R
+    restored_by_status: Mapping[str, int] | None = None  # statuses, or {"unknown": R} for a bare total
+    reissued: int | None = None  # K
+    cleared_trajectories: int | None = None
+    target: int | None = None  # T
+    expected: int | None = None  # max(0, T - R) under verl 0.9.1 semantics
+    submitted: int | None = None  # M actually submitted
+    over_restored: int | None = None  # O
+    doomed: Mapping[str, int] | None = None  # only the reasons that are known
+    under_submitted: int | None = None
+    warmup_state: WarmupState = WarmupState.UNKNOWN
+    semantics: str = "verl-0.9.1"
+    first_step_evictions: Mapping[str, int] | None = None
+    first_step_generation_wait_seconds: float | None = None
+    evidence: tuple[Evidence, ...] = ()
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass(frozen=True, slots=True)
+class RunInfo:
+    run_id: str
+    trainer_mode: str
+    verl_version: str
+    config: Mapping[str, Any] | None
+    config_source: str  # where the warmup knobs came from: "events", "flags" or "none"
+
+
+@dataclass(frozen=True, slots=True)
+class SourceHealth:
+    """A source's last attempt; whether it is up is decided at scrape time against the clock."""
+
+    source: str
+    ok: bool
+    last_success: float | None
+    last_duration: float | None
+    last_error: str | None
+    stale_after: float | None  # None: a push source, never stale
+
+    def up(self, now: float) -> bool:
+        if not self.ok:
+            return False
+        if self.stale_after is None:
+            return True
+        return self.last_success is not None and now - self.last_success <= self.stale_after
+
+
+@dataclass(frozen=True, slots=True)
+class WindowView:
+    """The live window of one partition as the freshest source last saw it."""
+
+    partition: str
+    source: str
+    observed_at: float
+    by_status: Mapping[str, int]
+    trajectories: int | None = None
+    orphan_trajectories: int | None = None
+    age_buckets: tuple[tuple[float, int], ...] | None = None  # cumulative (le, count), +Inf last
+    age_sum: float | None = None
+
+    @property
+    def total(self) -> int:
+        return sum(self.by_status.values())
+
+
+@dataclass(frozen=True, slots=True)
+class CheckpointView:
+    """The newest checkpoint seen, and what a resume from it would restore."""
+
+    step: int
+    source: str
+    by_status: Mapping[str, int] | None = None
+    doomed: Mapping[str, int] | None = None
+    orphan_trajectories: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Snapshot:
+    built_at: float
+    version: str
+    stale_after: float
+    run: RunInfo | None
+    target_window: int | None
+    windows: tuple[WindowView, ...]
+    trainer_step: int | None
+    trainer_last_event: float | None
+    resumes_total: int
+    records_total: int
+    last_record: ResumeRecord | None
+    checkpoint: CheckpointView | None
+    sources: tuple[SourceHealth, ...]
+    counters: Mapping[str, Mapping[tuple[str, ...], int]]  # catalog name -> label values -> value
+
+    def fresh_windows(self, now: float) -> tuple[WindowView, ...]:
+        """Windows observed within ``stale_after``: frozen data is never served as fresh."""
+        return tuple(w for w in self.windows if now - w.observed_at <= self.stale_after)
+
+    def window_status(self, now: float) -> str:
+        train = next((w for w in self.fresh_windows(now) if w.partition == "train"), None)
+        if train is None or self.target_window is None:
+            return "unknown"
+        if train.total < self.target_window:
+            return "under_filled"
+        if train.total > self.target_window:
+            return "over_filled"
+        return "ok"
+
+    def ready(self, now: float) -> bool:
+        """At least one source succeeded and every source is up (nothing served is stale)."""
+        return any(s.last_success is not None for s in self.sources) and all(s.up(now) for s in self.sources)

@@ -1,0 +1,117 @@
+"""SQLite persistence under ``--state-dir``: the applied events, counters and source cursors.
+
+State is the fold of the applied events, so a restart replays them; an event and the source cursor
+that produced it commit in one transaction, so ``kill -9`` can neither lose nor double-apply one.
+"""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+import threading
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+from tqmon.events import Event, dump_event, load_event
+
+SCHEMA = """
+CREATE TABLE IF NOT EXISTS events (
+    seq INTEGER PRIMARY KEY AUTOINCREMENT,
+    id TEXT NOT NULL UNIQUE,
+    source TEXT NOT NULL,
+    received_at REAL NOT NULL,
+    body TEXT NOT NULL
+);
+CREATE TABLE IF NOT EXISTS counters (
+    name TEXT NOT NULL,
+    labels TEXT NOT NULL,
+    value INTEGER NOT NULL,
+    PRIMARY KEY (name, labels)
+);
+CREATE TABLE IF NOT EXISTS cursors (
+    key TEXT PRIMARY KEY,
+    value TEXT NOT NULL
+);
+"""
+
+
+@dataclass(frozen=True, slots=True)
+class StoredEvent:
+    event: Event
+    source: str
+    received_at: float
+
+
+class StateStore:
+    """One connection shared by the service's threads, serialised by a lock (writes are tiny)."""
+
+    def __init__(self, state_dir: Path | None) -> None:
+        """``state_dir=None`` keeps everything in memory (``tqmon analyze``, tests)."""
+        self.path: Path | str = ":memory:"
+        if state_dir is not None:
+            state_dir.mkdir(parents=True, exist_ok=True)
+            self.path = state_dir / "tqmon.sqlite3"
+        self._lock = threading.Lock()
+        self._db = sqlite3.connect(self.path, check_same_thread=False, isolation_level=None)
+        self._db.execute("PRAGMA journal_mode=WAL")
+        self._db.execute("PRAGMA synchronous=NORMAL")
+        self._db.executescript(SCHEMA)
+
+    def close(self) -> None:
+        with self._lock:
+            self._db.close()
+
+    def commit(
+        self,
+        events: Iterable[tuple[Event, str, float]],
+        *,
+        counters: Iterable[tuple[str, str, int]] = (),
+        cursors: Iterable[tuple[str, object]] = (),
+    ) -> list[bool]:
+        """Store events (source, received_at), counter increments and cursors atomically.
+
+        Returns, per event, whether it was new (False: its id was stored before).
+        """
+        with self._lock:
+            self._db.execute("BEGIN IMMEDIATE")
+            try:
+                fresh = [
+                    self._db.execute(
+                        "INSERT OR IGNORE INTO events (id, source, received_at, body) VALUES (?, ?, ?, ?)",
+                        (event.id, source, received_at, dump_event(event)),
+                    ).rowcount
+                    == 1
+                    for event, source, received_at in events
+                ]
+                self._db.executemany(
+                    "INSERT INTO counters (name, labels, value) VALUES (?, ?, ?) "
+                    "ON CONFLICT (name, labels) DO UPDATE SET value = value + excluded.value",
+                    list(counters),
+                )
+                self._db.executemany(
+                    "INSERT INTO cursors (key, value) VALUES (?, ?) "
+                    "ON CONFLICT (key) DO UPDATE SET value = excluded.value",
+                    [(key, json.dumps(value)) for key, value in cursors],
+                )
+            except BaseException:
+                self._db.execute("ROLLBACK")
+                raise
+            self._db.execute("COMMIT")
+            return fresh
+
+    def events(self) -> Iterator[StoredEvent]:
+        with self._lock:
+            rows = self._db.execute("SELECT body, source, received_at FROM events ORDER BY seq").fetchall()
+        for body, source, received_at in rows:
+            yield StoredEvent(load_event(body), source, received_at)
+
+    def counters(self) -> dict[tuple[str, str], int]:
+        with self._lock:
+            rows = self._db.execute("SELECT name, labels, value FROM counters").fetchall()
+        return {(name, labels): value for name, labels, value in rows}
+
+    def cursor(self, key: str) -> object | None:
+        with self._lock:
+            row = self._db.execute("SELECT value FROM cursors WHERE key = ?", (key,)).fetchone()
+        return None if row is None else json.loads(row[0])
