@@ -385,8 +385,10 @@ class Tracker:
                 self._run = RunInfo(
                     event.run_id, event.trainer_mode, event.verl_version, event.config.model_dump(), "events"
                 )
-                if self._observed is not None:
+                obs = None  # run-level, not evidence of one start
+                if self._observed is not None and not self._observed.sealed:
                     self._observed.run_id = event.run_id
+                    self._rederive()  # the open start now derives from this config
             case TrainingStarted():
                 resumed = event.resumed_from_step is not None
                 obs = self._attach(

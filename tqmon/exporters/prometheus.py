@@ -76,9 +76,11 @@ class SnapshotCollector(Collector):
             yield build_family(spec, series)
 
 
-def build_registry(current: Callable[[], Snapshot], *, process_metrics: bool = True) -> CollectorRegistry:
+def build_registry(
+    current: Callable[[], Snapshot], *, process_metrics: bool = True, clock: Callable[[], float] = time.time
+) -> CollectorRegistry:
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(SnapshotCollector(current))
+    registry.register(SnapshotCollector(current, clock))
     if process_metrics:
         ProcessCollector(registry=registry)
         PlatformCollector(registry=registry)

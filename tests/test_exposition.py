@@ -1,0 +1,222 @@
+"""Exposition from a fixed snapshot: golden output, catalog consistency, docs drift, promtool."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+from prometheus_client import CollectorRegistry
+from prometheus_client.exposition import generate_latest
+from prometheus_client.openmetrics.exposition import generate_latest as generate_openmetrics
+from prometheus_client.parser import text_string_to_metric_families
+
+from tqmon import docs
+from tqmon.catalog import BY_NAME, CATALOG, MetricType
+from tqmon.exporters.prometheus import build_registry, render
+from tqmon.snapshot import (
+    CheckpointView,
+    Evidence,
+    ResumeRecord,
+    RunInfo,
+    Snapshot,
+    SourceHealth,
+    WindowView,
+)
+from tqmon.warmup import WarmupState
+
+GOLDEN = Path(__file__).parent / "golden"
+NOW = 1_800_000_000.0
+UPDATE = os.environ.get("TQMON_UPDATE_GOLDEN") == "1"
+
+
+def full_snapshot(now: float = NOW) -> Snapshot:
+    """Every catalog metric has something to say: a resume from step 40 with doomed groups."""
+    record = ResumeRecord(
+        index=1,
+        resumed=True,
+        started_at=now - 120,
+        run_id="run-7",
+        checkpoint_step=40,
+        restored=9,
+        restored_by_status={"pending": 2, "running": 1, "finished": 4, "failure": 2},
+        reissued=3,
+        cleared_trajectories=5,
+        target=12,
+        expected=3,
+        submitted=3,
+        over_restored=0,
+        doomed={"failure": 2, "stale": 1, "filtered": 0},
+        under_submitted=3,
+        warmup_state=WarmupState.TOPPED_UP,
+        evidence=(Evidence("log", "checkpoint_restored", "log:1", now - 119, "restored_prompt_groups=9"),),
+    )
+    return Snapshot(
+        built_at=now,
+        version="0.1.0",
+        stale_after=300.0,
+        run=RunInfo("run-7", "colocate_async", "0.9.1", {"train_batch_size": 4}, "events"),
+        target_window=12,
+        windows=(
+            WindowView(
+                "train",
+                "tq",
+                now - 1,
+                {"pending": 3, "running": 2, "finished": 5, "failure": 0},
+                trajectories=40,
+                orphan_trajectories=4,
+                age_buckets=((0.0, 3), (1.0, 6), (2.0, 9), (4.0, 10), (float("inf"), 10)),
+                age_sum=11.0,
+            ),
+            WindowView("val", "tq", now - 1, {"pending": 0, "running": 0, "finished": 0, "failure": 0}, 0, 0),
+            WindowView("train", "log", now - 1000, {"pending": 99}),  # stale: must not be exposed
+        ),
+        trainer_step=43,
+        trainer_last_event=now - 5,
+        resumes_total=1,
+        records_total=2,
+        last_record=record,
+        checkpoint=CheckpointView(
+            45, "checkpoint", {"pending": 1, "running": 1, "finished": 9, "failure": 1}, {"failure": 1}, 7
+        ),
+        sources=(
+            SourceHealth("events", True, now - 10, 0.001, None, None),
+            SourceHealth("log", True, now - 1, 0.0002, None, 30.0),
+            SourceHealth("tq", True, now - 400, 0.05, None, 60.0),  # stale: reads down
+        ),
+        counters={
+            "tqmon_events_total": {("log", "applied"): 12, ("events", "duplicate"): 1},
+            "tqmon_events_rejected_total": {("malformed_json",): 2},
+            "tqmon_log_lines_total": {("event",): 12, ("ignored",): 30, ("malformed",): 1},
+            "tqmon_source_errors_total": {("log", "malformed_line"): 1, ("tq", "timeout"): 3},
+        },
+    )
+
+
+def registry_for(snapshot: Snapshot) -> CollectorRegistry:
+    return build_registry(lambda: snapshot, process_metrics=False, clock=lambda: NOW)
+
+
+def _golden(name: str, actual: str) -> None:
+    path = GOLDEN / name
+    if UPDATE:
+        path.write_text(actual)
+    assert actual == path.read_text(), f"{name} drifted; rerun with TQMON_UPDATE_GOLDEN=1 and review the diff"
+
+
+def test_golden_text_exposition() -> None:
+    _golden("full.prom", generate_latest(registry_for(full_snapshot())).decode())
+
+
+def test_golden_openmetrics_exposition() -> None:
+    _golden("full.om", generate_openmetrics(registry_for(full_snapshot())).decode())
+
+
+def test_every_catalog_entry_is_exposed_and_nothing_else() -> None:
+    text = generate_latest(registry_for(full_snapshot())).decode()
+    # The text format has no gaugehistogram type: its _gcount/_gsum parse as families of their own.
+    families = {f.name: f for f in text_string_to_metric_families(text) if not f.name.endswith(("_gcount", "_gsum"))}
+    exposed = {name + ("_total" if f.type == "counter" else "") for name, f in families.items()}
+    assert exposed == set(BY_NAME)
+    for name, family in families.items():
+        spec = BY_NAME.get(name) or BY_NAME[name + "_total"]
+        for sample in family.samples:
+            labels = {k: v for k, v in sample.labels.items() if k != "le"}
+            assert set(labels) == set(spec.label_names), sample
+            for label in spec.labels:
+                if label.values is not None:
+                    assert labels[label.name] in label.values, sample
+
+
+def test_values_reflect_the_snapshot() -> None:
+    text = generate_latest(registry_for(full_snapshot())).decode()
+    assert "tqmon_resume_under_submitted_prompt_groups 3.0" in text
+    assert 'tqmon_resume_warmup_state{state="topped_up"} 1.0' in text
+    assert 'tqmon_resume_warmup_state{state="skipped_full"} 0.0' in text
+    # The stale log window (pending=99) is dropped; the fresh TQ window is served.
+    assert 'tqmon_window_prompt_groups{partition="train",status="pending"} 3.0' in text
+    assert "99.0" not in text
+    assert 'tqmon_window_status{status="under_filled"} 1.0' in text  # 10 live < 12 target
+    assert 'tqmon_source_up{source="tq"} 0.0' in text  # last success 400 s ago, stale after 60
+    assert 'tqmon_source_up{source="log"} 1.0' in text
+    assert 'tqmon_events_rejected_total{reason="too_large"} 0.0' in text  # known-empty is 0
+
+
+def test_unknown_values_are_omitted_not_zero() -> None:
+    empty = Snapshot(
+        built_at=NOW,
+        version="0.1.0",
+        stale_after=300.0,
+        run=None,
+        target_window=None,
+        windows=(),
+        trainer_step=None,
+        trainer_last_event=None,
+        resumes_total=0,
+        records_total=0,
+        last_record=None,
+        checkpoint=None,
+        sources=(),
+        counters={},
+    )
+    names = {f.name for f in text_string_to_metric_families(generate_latest(registry_for(empty)).decode())}
+    assert names == {"tqmon_window_status", "tqmon_resumes", "tqmon_build_info", "tqmon_events_rejected"}
+
+
+def test_a_bare_total_is_exported_as_status_unknown_only() -> None:
+    snapshot = full_snapshot()
+    assert snapshot.last_record is not None
+    bare = replace(snapshot, last_record=replace(snapshot.last_record, restored_by_status={"unknown": 9}))
+    text = generate_latest(registry_for(bare)).decode()
+    lines = [line for line in text.splitlines() if line.startswith("tqmon_resume_restored_prompt_groups{")]
+    assert lines == ['tqmon_resume_restored_prompt_groups{status="unknown"} 9.0']
+
+
+def test_content_negotiation() -> None:
+    registry = registry_for(full_snapshot())
+    body, content_type = render(registry, "application/openmetrics-text; version=1.0.0; charset=utf-8")
+    assert content_type.startswith("application/openmetrics-text") and body.endswith(b"# EOF\n")
+    body, content_type = render(registry, "text/plain")
+    assert content_type.startswith("text/plain; version=0.0.4") and b"# EOF" not in body
+
+
+def test_collect_reads_the_current_snapshot_on_every_scrape() -> None:
+    current = [full_snapshot()]
+    registry = build_registry(lambda: current[0], process_metrics=False, clock=lambda: NOW)
+    assert b"tqmon_trainer_global_step 43.0" in generate_latest(registry)
+    current[0] = replace(current[0], trainer_step=44)
+    assert b"tqmon_trainer_global_step 44.0" in generate_latest(registry)
+
+
+def test_metrics_doc_matches_the_catalog() -> None:
+    assert docs.METRICS_DOC.read_text() == docs.render(), "docs/metrics.md drifted: run `make docs`"
+    for spec in CATALOG:
+        assert f"`{spec.name}`" in docs.render()
+
+
+def test_catalog_names_follow_conventions() -> None:
+    for spec in CATALOG:
+        assert spec.name.startswith("tqmon_")
+        assert (spec.type is MetricType.COUNTER) == spec.name.endswith("_total"), spec.name
+        assert (spec.type is MetricType.INFO) == spec.name.endswith("_info"), spec.name
+        if spec.unit:
+            assert spec.name.removesuffix("_total").endswith("_" + spec.unit), spec.name
+        assert spec.help.endswith("."), spec.name
+        assert "run_id" not in spec.label_names or spec.type is MetricType.INFO
+
+
+def promtool() -> str:
+    path = shutil.which("promtool")
+    if path is None:
+        pytest.fail("promtool is not installed: run `make test`, which installs Debian's prometheus")
+    return path
+
+
+def test_promtool_check_metrics_is_clean() -> None:
+    text = generate_latest(registry_for(full_snapshot()))
+    result = subprocess.run([promtool(), "check", "metrics"], input=text, capture_output=True, check=False)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert result.stdout.strip() == b"" and result.stderr.strip() == b"", result.stdout + result.stderr
