@@ -32,6 +32,7 @@ class _Followed:
     handle: BinaryIO
     inode: tuple[int, int]
     offset: int  # end of the last complete line consumed
+    generation: int = 0  # truncations seen: lines rewritten at old offsets get new fallback ids
 
 
 def read_lines(handle: BinaryIO, offset: int, *, final: bool = False) -> Iterator[tuple[int, bytes]]:
@@ -95,13 +96,18 @@ class LogSource:
 
     def stop(self) -> None:
         self._stop.set()
-        self._thread.join(timeout=5)
+        if self._thread.is_alive():  # poll() may be driven directly, without the thread
+            self._thread.join(timeout=5)
         for followed in self._files.values():
             followed.handle.close()
 
     def _run(self) -> None:
         while not self._stop.is_set():
-            self.poll()
+            try:
+                self.poll()
+            except Exception as err:  # the thread must outlive any one bad poll
+                log.exception("log poll failed")
+                self.tracker.source_failed(SOURCE, "read_error", f"poll failed: {err}")
             self._stop.wait(self.interval)
 
     def poll(self) -> None:
@@ -128,14 +134,14 @@ class LogSource:
         st = os.fstat(handle.fileno())
         inode = (st.st_dev, st.st_ino)
         cursor = self.tracker.cursor(_cursor_key(path))
-        offset = 0
-        if (
-            isinstance(cursor, dict)
-            and tuple(cursor.get("inode", ())) == inode
-            and cursor.get("offset", 0) <= st.st_size
-        ):
-            offset = int(cursor["offset"])
-        return _Followed(path, handle, inode, offset)
+        offset = generation = 0
+        if isinstance(cursor, dict) and tuple(cursor.get("inode", ())) == inode:
+            generation = int(cursor.get("generation", 0))
+            if cursor.get("offset", 0) <= st.st_size:
+                offset = int(cursor["offset"])
+            else:
+                generation += 1  # truncated while tqmon was down
+        return _Followed(path, handle, inode, offset, generation)
 
     def _follow(self, path: str) -> None:
         followed = self._files.get(path)
@@ -152,6 +158,7 @@ class LogSource:
         elif st.st_size < followed.offset:
             log.info("%s was truncated; reading it again from the start", path)
             followed.offset = 0
+            followed.generation += 1
             self._drain(followed)
 
     def _drain(self, followed: _Followed) -> None:
@@ -166,9 +173,11 @@ class LogSource:
 
     def _commit(self, followed: _Followed, lines: list[tuple[int, bytes]]) -> None:
         file_key = f"{followed.inode[0]}-{followed.inode[1]}"
+        if followed.generation:
+            file_key += f".{followed.generation}"
         events, outcomes, errors = parse_chunk(lines, file_key)
         followed.offset = lines[-1][0]
-        cursor = {"inode": list(followed.inode), "offset": followed.offset}
+        cursor = {"inode": list(followed.inode), "offset": followed.offset, "generation": followed.generation}
         self.tracker.ingest(events, SOURCE, cursors=[(_cursor_key(followed.path), cursor)], log_lines=outcomes)
         if errors:
             self.tracker.source_error(SOURCE, "malformed_line", len(errors))

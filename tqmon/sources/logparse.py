@@ -13,6 +13,8 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Literal
 
+from pydantic import ValidationError
+
 from tqmon.events import (
     CheckpointRestored,
     CheckpointSaved,
@@ -21,10 +23,12 @@ from tqmon.events import (
     TrainingStarted,
     WarmupDecided,
     WindowObserved,
+    describe_validation,
 )
 
 ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
 RAY_PREFIX = re.compile(r"^\s*\([^()]*\bpid=\d+[^()]*\)\s*")
+RAY_REPEATED = re.compile(r"\s*\[repeated \d+x across cluster\]\s*$")
 LOG_HEADER = re.compile(r"^(?P<level>[A-Z]+):(?P<asctime>\d{4}-\d{2}-\d{2} \d{2}:\d{2}:\d{2},\d{3}):(?P<message>.*)$")
 STEP_FOLDER = re.compile(r"global_step_(\d+)/?$")
 
@@ -149,13 +153,14 @@ RULES: tuple[tuple[str, re.Pattern[str], Builder], ...] = (
         ),
         _window,
     ),
-    ("Saving checkpoint to ", re.compile(r"Saving checkpoint to (?P<folder>\S*global_step_\d+/?)$"), _saving),
+    # any folder (spaces allowed); _step_of reports a folder without global_step_N precisely
+    ("Saving checkpoint to ", re.compile(r"Saving checkpoint to (?P<folder>.+)$"), _saving),
 )
 
 
 def clean(line: str) -> str:
-    """Strip ANSI codes, the Ray actor prefix and surrounding whitespace."""
-    return RAY_PREFIX.sub("", ANSI.sub("", line)).strip()
+    """Strip ANSI codes, the Ray actor prefix, Ray's ``[repeated Nx across cluster]`` and whitespace."""
+    return RAY_REPEATED.sub("", RAY_PREFIX.sub("", ANSI.sub("", line))).strip()
 
 
 def parse_line(line: str, fallback_id: str) -> ParsedLine:
@@ -163,13 +168,19 @@ def parse_line(line: str, fallback_id: str) -> ParsedLine:
     text = clean(line)
     header = LOG_HEADER.match(text)
     at: datetime | None = None
+    bad_time: str | None = None
     message = text
     if header is not None:
         message = header["message"].strip()
-        at = datetime.strptime(header["asctime"], "%Y-%m-%d %H:%M:%S,%f").astimezone()
+        try:
+            at = datetime.strptime(header["asctime"], "%Y-%m-%d %H:%M:%S,%f").astimezone()
+        except (ValueError, OverflowError) as err:  # e.g. 2026-02-30: the regex only checks the shape
+            bad_time = f"invalid timestamp {header['asctime']!r}: {err}"
     for trigger, pattern, build in RULES:
         if trigger not in message:
             continue
+        if bad_time is not None:
+            return ParsedLine("malformed", error=bad_time)
         match = pattern.search(message)
         if match is None:
             return ParsedLine("malformed", error=f"looks like a verl {trigger.strip()!r} line but does not parse")
@@ -178,6 +189,8 @@ def parse_line(line: str, fallback_id: str) -> ParsedLine:
         event_id = "log:" + hashlib.sha1(text.encode()).hexdigest()[:20] if at is not None else fallback_id
         try:
             return ParsedLine("event", event=build(match, event_id, at))
+        except ValidationError as err:
+            return ParsedLine("malformed", error=describe_validation(err))
         except ValueError as err:
-            return ParsedLine("malformed", error=str(err).splitlines()[0])
+            return ParsedLine("malformed", error=str(err))
     return ParsedLine("ignored")
