@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import sqlite3
 import threading
+from collections import Counter
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -68,11 +69,15 @@ class StateStore:
         *,
         counters: Iterable[tuple[str, str, int]] = (),
         cursors: Iterable[tuple[str, object]] = (),
+        count_events_as: str | None = None,
     ) -> list[bool]:
         """Store events (source, received_at), counter increments and cursors atomically.
 
+        ``count_events_as`` names a counter incremented, in the same transaction, by the events stored
+        (labels ``source|applied``) and ignored as already stored (``source|duplicate``).
         Returns, per event, whether it was new (False: its id was stored before).
         """
+        rows = list(events)
         with self._lock:
             self._db.execute("BEGIN IMMEDIATE")
             try:
@@ -82,8 +87,14 @@ class StateStore:
                         (event.id, source, received_at, dump_event(event)),
                     ).rowcount
                     == 1
-                    for event, source, received_at in events
+                    for event, source, received_at in rows
                 ]
+                if count_events_as is not None:
+                    tally = Counter(
+                        f"{source}|{'applied' if is_new else 'duplicate'}"
+                        for (_event, source, _at), is_new in zip(rows, fresh, strict=True)
+                    )
+                    counters = [*counters, *((count_events_as, labels, n) for labels, n in tally.items())]
                 self._db.executemany(
                     "INSERT INTO counters (name, labels, value) VALUES (?, ?, ?) "
                     "ON CONFLICT (name, labels) DO UPDATE SET value = value + excluded.value",
