@@ -2,17 +2,23 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import sys
 from collections.abc import Callable
+from contextlib import AbstractContextManager
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any, TypeVar
 
 import click
+from pydantic import ValidationError
 
 from tqmon import __version__
+from tqmon.events import TrainerConfig
 from tqmon.server import serve_forever
 from tqmon.service import ServiceConfig
+from tqmon.warmup import OFF_POLICY_STRATEGIES, TRAINER_MODES
 
 LISTEN_DEFAULT = "127.0.0.1:9842"
 FC = TypeVar("FC", bound=Callable[..., Any])
@@ -29,6 +35,132 @@ def parse_listen(value: str) -> tuple[str, int]:
 def option(*decls: str, env: str, **kwargs: Any) -> Callable[[FC], FC]:
     """A click option that is also the environment variable ``TQMON_<env>``."""
     return click.option(*decls, envvar=f"TQMON_{env}", show_envvar=True, **kwargs)
+
+
+def _threshold(ctx: click.Context, param: click.Parameter, value: str | None) -> int | None:
+    """``max_off_policy_threshold``: a non-negative integer, or ``null`` (staleness eviction off)."""
+    text = "null" if value is None else value.strip().lower()
+    if text in ("null", "none", "~"):
+        return None
+    if not text.isdigit():
+        raise click.BadParameter(f"expected a non-negative integer or 'null', got {value!r}")
+    return int(text)
+
+
+@dataclass(frozen=True)
+class TrainerFlags:
+    """The verl settings given on the command line (the same knobs as a ``run_started`` event's config)."""
+
+    trainer_mode: str
+    train_batch_size: int | None
+    gen_batch_size: int | None
+    num_warmup_batches: float | None
+    max_off_policy_threshold: int | None
+    max_off_policy_strategy: str
+    skip_rollout_tq: bool
+    filter_groups: bool
+
+    @property
+    def missing(self) -> list[str]:
+        """The flags without which T cannot be computed."""
+        return [
+            flag
+            for flag, value in (
+                ("--train-batch-size", self.train_batch_size),
+                ("--num-warmup-batches", self.num_warmup_batches),
+            )
+            if value is None
+        ]
+
+    def config(self) -> TrainerConfig | None:
+        """The trainer config, or None while a flag it needs is missing."""
+        if self.missing:
+            return None
+        try:
+            return TrainerConfig(
+                train_batch_size=self.train_batch_size,
+                gen_batch_size=self.gen_batch_size,
+                num_warmup_batches=self.num_warmup_batches,
+                skip_rollout_tq=self.skip_rollout_tq,
+                max_off_policy_threshold=self.max_off_policy_threshold,
+                max_off_policy_strategy=self.max_off_policy_strategy,
+                filter_groups=self.filter_groups,
+            )
+        except ValidationError as err:
+            raise click.UsageError(f"invalid trainer config: {err}") from None
+
+
+_TRAINER_OPTIONS = (
+    option(
+        "--trainer-mode",
+        type=click.Choice(sorted(TRAINER_MODES)),
+        default="colocate_async",
+        show_default=True,
+        help="trainer.v1.trainer_mode.",
+        env="TRAINER_MODE",
+    ),
+    option(
+        "--train-batch-size",
+        type=click.IntRange(min=1),
+        default=None,
+        help="data.train_batch_size (B); needed for T.",
+        env="TRAIN_BATCH_SIZE",
+    ),
+    option(
+        "--gen-batch-size",
+        type=click.IntRange(min=1),
+        default=None,
+        help="data.gen_batch_size (the async modes and DAPO force 1).",
+        env="GEN_BATCH_SIZE",
+    ),
+    option(
+        "--num-warmup-batches",
+        type=float,
+        default=None,
+        help="trainer.v1.<mode>.num_warmup_batches (may be fractional); needed for T.",
+        env="NUM_WARMUP_BATCHES",
+    ),
+    option(
+        "--max-off-policy-threshold",
+        metavar="INT|null",
+        callback=_threshold,
+        default="8",
+        show_default=True,
+        help="trainer.v1.sampler.max_off_policy_threshold, or 'null'.",
+        env="MAX_OFF_POLICY_THRESHOLD",
+    ),
+    option(
+        "--max-off-policy-strategy",
+        type=click.Choice(sorted(OFF_POLICY_STRATEGIES)),
+        default="drop",
+        show_default=True,
+        help="trainer.v1.sampler.max_off_policy_strategy (only 'drop' evicts stale groups).",
+        env="MAX_OFF_POLICY_STRATEGY",
+    ),
+    option(
+        "--skip-rollout-tq", is_flag=True, help="skip.rollout_tq.enable (disables the warmup).", env="SKIP_ROLLOUT_TQ"
+    ),
+    option("--filter-groups", is_flag=True, help="algorithm.filter_groups.enable (DAPO).", env="FILTER_GROUPS"),
+)
+_TRAINER_PARAMS = tuple(f.name for f in fields(TrainerFlags))
+
+
+def trainer_config_options(func: Callable[..., Any]) -> Callable[..., Any]:
+    """Add the trainer-config flags; the command receives them as one ``trainer: TrainerFlags`` argument."""
+
+    @functools.wraps(func)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        flags = TrainerFlags(**{name: kwargs.pop(name) for name in _TRAINER_PARAMS})
+        return func(*args, trainer=flags, **kwargs)
+
+    command: Callable[..., Any] = wrapper
+    for decorator in reversed(_TRAINER_OPTIONS):
+        command = decorator(command)
+    return command
+
+
+def _progressbar(label: str, total: int) -> AbstractContextManager[Any]:
+    return click.progressbar(length=total, label=label, file=sys.stderr)
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 110})
@@ -92,6 +224,23 @@ def main() -> None:
     help="tqmon's own logging.",
     env="LOG_LEVEL",
 )
+@option(
+    "--checkpoint-dir",
+    type=click.Path(file_okay=False, path_type=Path),
+    default=None,
+    help="verl's trainer.default_local_dir: predict the next resume from its latest TransferQueue checkpoint "
+    "(read-only).",
+    env="CHECKPOINT_DIR",
+)
+@option(
+    "--checkpoint-interval",
+    type=float,
+    default=10.0,
+    show_default=True,
+    help="Seconds between checkpoint dir polls.",
+    env="CHECKPOINT_INTERVAL",
+)
+@trainer_config_options
 def serve(
     listen: str,
     state_dir: Path,
@@ -101,9 +250,19 @@ def serve(
     stale_after: float,
     max_body_bytes: int,
     log_level: str,
+    checkpoint_dir: Path | None,
+    checkpoint_interval: float,
+    trainer: TrainerFlags,
 ) -> None:
-    """Serve /metrics, /api/v1/status and the trainer event API (POST /api/v1/events)."""
+    """Serve /metrics, /api/v1/status and the trainer event API (POST /api/v1/events).
+
+    The trainer-config flags are optional (a run_started event overrides them); give both
+    --train-batch-size and --num-warmup-batches, or neither.
+    """
     host, port = parse_listen(listen)
+    trainer_config = trainer.config()
+    if trainer_config is None and len(trainer.missing) == 1:
+        raise click.UsageError(f"the trainer config also needs {trainer.missing[0]}")
     config = ServiceConfig(
         host=host,
         port=port,
@@ -113,6 +272,9 @@ def serve(
         token=token or None,
         stale_after=stale_after,
         max_body_bytes=max_body_bytes,
+        checkpoint_dir=checkpoint_dir,
+        checkpoint_interval=checkpoint_interval,
+        trainer=None if trainer_config is None else (trainer.trainer_mode, trainer_config),
     )
     serve_forever(config, log_level)
 
@@ -140,6 +302,30 @@ def analyze(logs: tuple[str, ...], as_json: bool) -> None:
         click.echo(table(records))
     if malformed:
         click.echo(f"{malformed} malformed verl line(s) skipped", err=True)
+
+
+@main.command("inspect")
+@click.argument("checkpoint_dir", type=click.Path(exists=True, file_okay=False, path_type=Path))
+@click.option("--step", type=click.IntRange(min=0), default=None, help="Inspect global_step_N, not the latest.")
+@click.option("--json", "as_json", is_flag=True, help="Print the preflight as JSON.")
+@trainer_config_options
+def inspect_checkpoint(checkpoint_dir: Path, step: int | None, as_json: bool, trainer: TrainerFlags) -> None:
+    """Preflight a resume: what restoring CHECKPOINT_DIR's TransferQueue state will do.
+
+    CHECKPOINT_DIR is verl's trainer.default_local_dir (its latest checkpoint), a global_step_N dir or
+    its transfer_queue dir. Prints R by status and age, K, the doomed groups, the orphan trajectories and,
+    with --train-batch-size and --num-warmup-batches, T, M, O and the under-submission. Reads only.
+    """
+    from tqmon.sources.checkpoint import CheckpointError, preflight, read_checkpoint, render, resolve
+
+    root, resolved = resolve(checkpoint_dir)
+    config = trainer.config()
+    try:
+        reading = read_checkpoint(root, step if step is not None else resolved, progress=_progressbar)
+    except CheckpointError as err:
+        raise click.ClickException(str(err)) from None
+    result = preflight(reading, None if config is None else config.warmup_config(trainer.trainer_mode))
+    click.echo(json.dumps(result.to_json(), indent=2) if as_json else render(result))
 
 
 @main.command()

@@ -15,8 +15,8 @@ from pydantic import (
     ConfigDict,
     Field,
     NonNegativeFloat,
-    NonNegativeInt,
     TypeAdapter,
+    ValidationError,
     field_validator,
     model_validator,
 )
@@ -24,6 +24,8 @@ from pydantic import (
 from tqmon.catalog import PARTITIONS, SOURCES
 from tqmon.warmup import DOOM_REASONS, PROMPT_STATUSES, WarmupConfig
 
+# Counts and steps are bounded so every value stays exact as a Prometheus float (2**53).
+Count = Annotated[int, Field(ge=0, le=2**53)]
 EventId = Annotated[str, Field(min_length=1, max_length=200, description="Unique id; a repeated id is applied once.")]
 Status = Literal["pending", "running", "finished", "failure"]
 Partition = Literal["train", "val"]
@@ -87,7 +89,7 @@ class TrainingStarted(_Event):
     """verl picked its starting point: ``Resuming from …, setting global step to N`` or ``Training from scratch``."""
 
     type: Literal["training_started"] = "training_started"
-    resumed_from_step: NonNegativeInt | None = Field(None, description="N of global_step_N, null for a fresh start")
+    resumed_from_step: Count | None = Field(None, description="N of global_step_N, null for a fresh start")
     checkpoint_path: str | None = None
 
 
@@ -97,8 +99,8 @@ class GroupCount(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     status: Status
-    global_steps: NonNegativeInt
-    count: NonNegativeInt
+    global_steps: Count
+    count: Count
     filtered: bool = Field(False, description="DAPO would reject these finished groups (zero reward variance)")
 
 
@@ -106,9 +108,9 @@ class CheckpointRestored(_Event):
     """TransferQueue state was loaded: R prompt groups restored from global_step_N."""
 
     type: Literal["checkpoint_restored"] = "checkpoint_restored"
-    step: NonNegativeInt | None = Field(None, description="checkpoint step N; null attaches to the open resume")
-    restored_prompt_groups: NonNegativeInt
-    by_status: dict[Status, NonNegativeInt] | None = None
+    step: Count | None = Field(None, description="checkpoint step N; null attaches to the open resume")
+    restored_prompt_groups: Count
+    by_status: dict[Status, Count] | None = None
     groups: list[GroupCount] | None = Field(None, description="composition by status and global_steps")
 
     @model_validator(mode="after")
@@ -136,9 +138,9 @@ class InflightReissued(_Event):
     """``_reissue_inflight_prompts``: K pending/running groups re-issued for step N+1."""
 
     type: Literal["inflight_reissued"] = "inflight_reissued"
-    step: NonNegativeInt | None = Field(None, description="the resumed step N+1")
-    reissued_prompt_groups: NonNegativeInt
-    cleared_trajectories: NonNegativeInt = 0
+    step: Count | None = Field(None, description="the resumed step N+1")
+    reissued_prompt_groups: Count
+    cleared_trajectories: Count = 0
     partition: Partition = "train"
 
 
@@ -146,11 +148,11 @@ class WarmupDecided(_Event):
     """The warmup top-up's decision; give ``submitted_prompt_groups`` or a ``skip_reason``."""
 
     type: Literal["warmup_decided"] = "warmup_decided"
-    target_prompt_groups: NonNegativeInt | None = None
-    restored_prompt_groups: NonNegativeInt | None = None
-    submitted_prompt_groups: NonNegativeInt | None = None
+    target_prompt_groups: Count | None = None
+    restored_prompt_groups: Count | None = None
+    submitted_prompt_groups: Count | None = None
     skip_reason: SkipReason | None = None
-    legacy_warmup_batches: NonNegativeInt | None = Field(
+    legacy_warmup_batches: Count | None = Field(
         None, description="verl 0.9.0 'Added {n} warmup batches': n whole batches on top of the restore"
     )
 
@@ -159,8 +161,8 @@ class StepCompleted(_Event):
     """One trainer step finished."""
 
     type: Literal["step_completed"] = "step_completed"
-    global_step: NonNegativeInt
-    evicted_prompt_groups: dict[Literal["failure", "stale", "filtered"], NonNegativeInt] = Field(default_factory=dict)
+    global_step: Count
+    evicted_prompt_groups: dict[Literal["failure", "stale", "filtered"], Count] = Field(default_factory=dict)
     generation_wait_seconds: NonNegativeFloat | None = None
 
 
@@ -168,9 +170,37 @@ class CheckpointSaved(_Event):
     """``Saving checkpoint to …/global_step_N``, optionally with the window composition saved."""
 
     type: Literal["checkpoint_saved"] = "checkpoint_saved"
-    step: NonNegativeInt
+    step: Count
     path: str | None = None
-    by_status: dict[Status, NonNegativeInt] | None = None
+    by_status: dict[Status, Count] | None = None
+    groups: list[GroupCount] | None = Field(
+        None, description="prompt groups of partition train by status and global_steps (what a resume restores)"
+    )
+    orphan_trajectories: Count | None = Field(
+        None, description="trajectory keys in partition train whose uid has no prompt key"
+    )
+
+    @model_validator(mode="after")
+    def _breakdowns_agree(self) -> CheckpointSaved:
+        if self.by_status is not None and self.groups is not None:
+            from_groups = dict.fromkeys(PROMPT_STATUSES, 0)
+            for group in self.groups:
+                from_groups[group.status] += group.count
+            stated = {str(status): count for status, count in self.by_status.items()}
+            if any(stated.get(status, 0) != count for status, count in from_groups.items()):
+                raise ValueError(f"by_status {self.by_status} disagrees with groups, which count {from_groups}")
+        return self
+
+    def status_counts(self) -> dict[str, int] | None:
+        """Saved prompt groups by status, from ``by_status`` or the ``groups`` composition; None if unknown."""
+        if self.by_status is not None:
+            return {str(status): count for status, count in self.by_status.items()}
+        if self.groups is not None:
+            counts = dict.fromkeys(PROMPT_STATUSES, 0)
+            for group in self.groups:
+                counts[group.status] += group.count
+            return counts
+        return None
 
 
 class WindowObserved(_Event):
@@ -178,7 +208,7 @@ class WindowObserved(_Event):
 
     type: Literal["window_observed"] = "window_observed"
     partition: Partition = "train"
-    by_status: dict[Status, NonNegativeInt]
+    by_status: dict[Status, Count]
 
 
 Event = Annotated[
@@ -207,6 +237,23 @@ EVENT_ADAPTER: TypeAdapter[Event] = TypeAdapter(Event)
 
 assert set(DOOM_REASONS) == {"failure", "stale", "filtered"}
 assert "events" in SOURCES
+
+
+def describe_validation(err: ValidationError, *, batch: bool = False) -> str:
+    """First few errors as ``[0].config.train_batch_size: Input should be greater than 0`` (a batch)
+    or ``config.train_batch_size: …`` (a single event)."""
+    parts = []
+    for item in err.errors()[:5]:
+        path = list(item["loc"])
+        # list[Event] locates an error as (index, discriminator tag, field, ...): drop the tag, and the
+        # index of a single event, so the path is the one in the posted JSON.
+        if len(path) >= 2 and path[1] in EVENT_TYPE_NAMES:
+            del path[1]
+        if not batch and path and isinstance(path[0], int):
+            del path[0]
+        loc = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in path).lstrip(".")
+        parts.append(f"{loc or 'body'}: {item['msg']}")
+    return "; ".join(parts)
 
 
 def parse_event(raw: object) -> Event:

@@ -32,9 +32,9 @@ def _fmt(value: int | None) -> str:
 
 
 def _statuses(counts: Mapping[str, int] | None) -> str:
-    if not counts:
-        return ""
-    return " (" + ", ".join(f"{k} {v}" for k, v in counts.items() if v) + ")" if set(counts) != {"unknown"} else ""
+    """`` (pending 2, failure 1)`` for a known split; nothing for a bare total or an empty restore."""
+    parts = [f"{status} {n}" for status, n in (counts or {}).items() if n and status != "unknown"]
+    return f" ({', '.join(parts)})" if parts else ""
 
 
 def _doomed(record: ResumeRecord) -> str:

@@ -20,7 +20,7 @@ from fastapi.responses import HTMLResponse, JSONResponse, Response
 from pydantic import BaseModel, TypeAdapter, ValidationError
 
 from tqmon import __version__
-from tqmon.events import EVENT_TYPE_NAMES, Event
+from tqmon.events import EVENT_TYPE_NAMES, Event, describe_validation
 from tqmon.exporters.prometheus import render
 from tqmon.service import ConfigError, Service, ServiceConfig
 
@@ -54,15 +54,6 @@ class Readiness(BaseModel):
 def _reject(service: Service, status: int, reason: str, detail: str) -> JSONResponse:
     service.tracker.reject(reason)
     return JSONResponse(Problem(reason=reason, detail=detail).model_dump(), status_code=status)
-
-
-def _describe_validation(err: ValidationError) -> str:
-    """First few errors as ``[0].config.train_batch_size: Input should be greater than 0``."""
-    parts = []
-    for item in err.errors()[:5]:
-        loc = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in item["loc"]).lstrip(".")
-        parts.append(f"{loc or 'body'}: {item['msg']}")
-    return "; ".join(parts)
 
 
 def create_app(service: Service) -> FastAPI:
@@ -160,8 +151,8 @@ def create_app(service: Service) -> FastAPI:
     async def post_events(request: Request) -> Response:
         """Accept one event or a JSON array of events; a batch is applied whole or rejected whole."""
         if service.token is not None:
-            supplied = request.headers.get("authorization", "")
-            if not hmac.compare_digest(supplied.encode(), f"Bearer {service.token}".encode()):
+            scheme, _, supplied = request.headers.get("authorization", "").partition(" ")
+            if scheme.lower() != "bearer" or not hmac.compare_digest(supplied.encode(), service.token.encode()):
                 return _reject(service, 401, "unauthorized", "missing or wrong bearer token in Authorization")
         declared = request.headers.get("content-length")
         if declared is not None and declared.isdigit() and int(declared) > service.max_body_bytes:
@@ -176,6 +167,8 @@ def create_app(service: Service) -> FastAPI:
         except (json.JSONDecodeError, UnicodeDecodeError) as err:
             return _reject(service, 400, "malformed_json", f"body is not JSON: {err}")
         items = body if isinstance(body, list) else [body]
+        if not items:
+            return _reject(service, 422, "invalid_event", "body: an empty batch carries no event")
         for index, item in enumerate(items):
             kind = item.get("type") if isinstance(item, dict) else None
             if kind not in EVENT_TYPE_NAMES:
@@ -186,7 +179,7 @@ def create_app(service: Service) -> FastAPI:
         try:
             events = EVENTS_ADAPTER.validate_python(items)
         except ValidationError as err:
-            return _reject(service, 422, "invalid_event", _describe_validation(err))
+            return _reject(service, 422, "invalid_event", describe_validation(err, batch=isinstance(body, list)))
         started = time.monotonic()
         applied, duplicates = service.tracker.ingest(events, "events")
         service.tracker.source_succeeded("events", time.monotonic() - started)

@@ -9,7 +9,9 @@ from pathlib import Path
 
 from prometheus_client import CollectorRegistry
 
+from tqmon.events import TrainerConfig
 from tqmon.exporters.prometheus import build_registry
+from tqmon.sources.checkpoint import CheckpointSource
 from tqmon.sources.logfile import LogSource
 from tqmon.store import StateStore
 from tqmon.tracker import Tracker
@@ -41,6 +43,9 @@ class ServiceConfig:
     stale_after: float = 300.0
     max_body_bytes: int = 1 << 20
     process_metrics: bool = True
+    checkpoint_dir: Path | None = None
+    checkpoint_interval: float = 10.0
+    trainer: tuple[str, TrainerConfig] | None = None  # (trainer_mode, config) from flags; run_started overrides
 
     def validate(self) -> None:
         if not is_loopback(self.host) and not self.token:
@@ -52,6 +57,8 @@ class ServiceConfig:
             raise ConfigError(f"--stale-after must be positive, got {self.stale_after}")
         if self.log_interval <= 0:
             raise ConfigError(f"--log-interval must be positive, got {self.log_interval}")
+        if self.checkpoint_interval <= 0:
+            raise ConfigError(f"--checkpoint-interval must be positive, got {self.checkpoint_interval}")
 
 
 class Service:
@@ -63,7 +70,7 @@ class Service:
         self.token = config.token
         self.max_body_bytes = config.max_body_bytes
         self.store = StateStore(config.state_dir)
-        self.tracker = Tracker(self.store, stale_after=config.stale_after)
+        self.tracker = Tracker(self.store, stale_after=config.stale_after, flag_config=config.trainer)
         replayed = self.tracker.replay()
         if replayed:
             log.info("restored %d events from %s", replayed, self.store.path)
@@ -73,6 +80,11 @@ class Service:
             if config.log_patterns
             else None
         )
+        self.checkpoint_source = (
+            CheckpointSource(config.checkpoint_dir, self.tracker, interval=config.checkpoint_interval)
+            if config.checkpoint_dir is not None
+            else None
+        )
         self.registry: CollectorRegistry = build_registry(
             lambda: self.tracker.snapshot, process_metrics=config.process_metrics
         )
@@ -80,8 +92,12 @@ class Service:
     def start(self) -> None:
         if self.log_source is not None:
             self.log_source.start()
+        if self.checkpoint_source is not None:
+            self.checkpoint_source.start()
 
     def stop(self) -> None:
         if self.log_source is not None:
             self.log_source.stop()
+        if self.checkpoint_source is not None:
+            self.checkpoint_source.stop()
         self.store.close()

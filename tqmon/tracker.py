@@ -39,6 +39,7 @@ from tqmon.snapshot import (
 from tqmon.store import StateStore
 from tqmon.warmup import (
     DOOM_REASONS,
+    PROMPT_STATUSES,
     RestoredGroup,
     WarmupConfig,
     WarmupState,
@@ -143,6 +144,8 @@ def derive_record(
     by_status: dict[str, int] | None = None
     if obs.by_status is not None:
         by_status = dict(obs.by_status)
+    elif restored == 0:
+        by_status = dict.fromkeys(PROMPT_STATUSES, 0)  # nothing restored: every status is known-empty
     elif restored is not None:
         by_status = {"unknown": restored}
 
@@ -233,6 +236,31 @@ def _doomed(obs: _Observed, config: WarmupConfig | None, restored: int | None) -
     return known or None
 
 
+def checkpoint_doomed(event: CheckpointSaved, config: WarmupConfig | None) -> dict[str, int] | None:
+    """Doomed groups of a resume from this checkpoint, by the reasons that are known; None when none is.
+
+    With the composition and the config, ``classify_doomed`` decides all three reasons, except
+    ``filtered`` under DAPO filtering when no group carries a verdict (a checkpoint holds no rewards).
+    With only the statuses: ``failure``, plus the reasons the config rules out.
+    """
+    statuses = event.status_counts()
+    if statuses is None:
+        return None
+    if event.groups is not None and config is not None:
+        groups = (RestoredGroup(g.status, g.global_steps, g.filtered) for g in event.groups for _ in range(g.count))
+        doomed = classify_doomed(config, groups, event.step)
+        if config.filter_groups and not any(g.filtered for g in event.groups):
+            del doomed["filtered"]
+        return doomed
+    known = {"failure": statuses.get("failure", 0)}
+    if config is not None:
+        if config.max_off_policy_threshold is None or config.max_off_policy_strategy != "drop":
+            known["stale"] = 0
+        if not config.filter_groups:
+            known["filtered"] = 0
+    return known
+
+
 class Tracker:
     """Owns run state; the only writer of the store and the snapshot."""
 
@@ -248,8 +276,8 @@ class Tracker:
         self._stale_after = stale_after
         self._clock = clock
         self._lock = threading.RLock()
-        self._flag_config = flag_config
         self._run: RunInfo | None = None
+        self._warmup_config: WarmupConfig | None = None
         self._observed: _Observed | None = None
         self._records: list[ResumeRecord] = []
         self._resumes = 0
@@ -257,6 +285,7 @@ class Tracker:
         self._trainer_last_event: float | None = None
         self._windows: dict[str, WindowView] = {}
         self._checkpoint: CheckpointView | None = None
+        self._checkpoint_saved: tuple[CheckpointSaved, str] | None = None  # the event behind it
         self._health: dict[str, _Health] = {}
         self._counters: dict[str, Counter[tuple[str, ...]]] = {
             name: Counter()
@@ -269,7 +298,7 @@ class Tracker:
         }
         if flag_config is not None:
             mode, cfg = flag_config
-            self._run = RunInfo("", mode, "", cfg.model_dump(), "flags")
+            self._set_run(RunInfo("", mode, "", cfg.model_dump(), "flags"), cfg)
         self._snapshot = self._build()
 
     # ---------------------------------------------------------------- reading
@@ -312,15 +341,22 @@ class Tracker:
         received_at = self._clock()
         counters = [("tqmon_log_lines_total", outcome, n) for outcome, n in (log_lines or {}).items() if n]
         with self._lock:
-            fresh = self._store.commit(((e, source, received_at) for e in events), counters=counters, cursors=cursors)
+            # The events, their cursor and every counter they move commit in one transaction.
+            fresh = self._store.commit(
+                ((e, source, received_at) for e in events),
+                counters=counters,
+                cursors=cursors,
+                count_events_as="tqmon_events_total",
+            )
             applied = 0
             for event, is_new in zip(events, fresh, strict=True):
                 if is_new:
                     self._apply(event, source, received_at)
                     applied += 1
             duplicates = len(events) - applied
-            self._count("tqmon_events_total", (source, "applied"), applied)
-            self._count("tqmon_events_total", (source, "duplicate"), duplicates)
+            for outcome, n in (("applied", applied), ("duplicate", duplicates)):
+                if n:
+                    self._counters["tqmon_events_total"][(source, outcome)] += n
             for _name, outcome, n in counters:
                 self._counters["tqmon_log_lines_total"][(outcome,)] += n
             self._publish()
@@ -371,10 +407,9 @@ class Tracker:
             self._store.commit((), counters=[(name, "|".join(labels), n)])
             self._counters[name][labels] += n
 
-    def _config(self) -> WarmupConfig | None:
-        if self._run is None or self._run.config is None:
-            return None
-        return TrainerConfig.model_validate(self._run.config).warmup_config(self._run.trainer_mode)
+    def _set_run(self, run: RunInfo, config: TrainerConfig) -> None:
+        self._run = run
+        self._warmup_config = config.warmup_config(run.trainer_mode)
 
     def _apply(self, event: Event, source: str, received_at: float) -> None:
         at = event.timestamp(received_at)
@@ -382,9 +417,9 @@ class Tracker:
         self._trainer_last_event = at if self._trainer_last_event is None else max(self._trainer_last_event, at)
         match event:
             case RunStarted():
-                self._run = RunInfo(
-                    event.run_id, event.trainer_mode, event.verl_version, event.config.model_dump(), "events"
-                )
+                run = RunInfo(event.run_id, event.trainer_mode, event.verl_version, event.config.model_dump(), "events")
+                self._set_run(run, event.config)
+                self._derive_checkpoint()  # its doomed groups depend on the config
                 obs = None  # run-level, not evidence of one start
                 if self._observed is not None and not self._observed.sealed:
                     self._observed.run_id = event.run_id
@@ -425,9 +460,13 @@ class Tracker:
                 else:
                     obs = None
             case CheckpointSaved():
-                self._trainer_step = event.step
-                saved = None if event.by_status is None else _str_keys(event.by_status)
-                self._checkpoint = CheckpointView(event.step, source, saved)
+                if source != "checkpoint":  # the checkpoint dir may hold an older run's checkpoint
+                    self._trainer_step = event.step
+                current = self._checkpoint
+                bare = event.status_counts() is None
+                if not (bare and current is not None and current.step == event.step and current.by_status):
+                    self._checkpoint_saved = (event, source)  # a bare log line never hides a read composition
+                    self._derive_checkpoint()
                 obs = None
             case WindowObserved():
                 self._windows[event.partition] = WindowView(event.partition, source, at, _str_keys(event.by_status))
@@ -462,9 +501,21 @@ class Tracker:
         self._resumes += resumed
         return new
 
+    def _derive_checkpoint(self) -> None:
+        if self._checkpoint_saved is None:
+            return
+        event, source = self._checkpoint_saved
+        self._checkpoint = CheckpointView(
+            event.step,
+            source,
+            event.status_counts(),
+            checkpoint_doomed(event, self._warmup_config),
+            event.orphan_trajectories,
+        )
+
     def _derive(self, obs: _Observed) -> ResumeRecord:
         previous = self._records[obs.index - 1].restored if obs.index > 0 else None
-        return derive_record(obs, self._config(), previous)
+        return derive_record(obs, self._warmup_config, previous)
 
     def _rederive(self) -> None:
         if self._observed is not None:
@@ -475,7 +526,7 @@ class Tracker:
 
     def _build(self) -> Snapshot:
         last = self._records[-1] if self._records else None
-        config = self._config()
+        config = self._warmup_config
         target = last.target if last is not None and last.target is not None else None
         if target is None and config is not None:
             target = target_window(config)

@@ -1,0 +1,565 @@
+"""The checkpoint source and ``tqmon inspect`` against real ``tq.save_checkpoint`` output.
+
+A module fixture runs Ray and TransferQueue locally (the test owns that cluster; tqmon never calls
+``tq.init``/``tq.close``), puts verl-shaped prompt and trajectory keys into partition "train" and
+saves two checkpoints. The composition at step 40 (sampled at step 41):
+
+    pending 3, running 2 (g=40) · finished 4 (g=40), 3 (g=39), 2 (g=37), 2 (g=30) · failure 2 (g=38), 2 (g=35)
+    R = 20, K = 5; 22 trajectories of finished groups, 1 of a running group, 3 orphans (26)
+
+With B=8, num_warmup_batches=3 (T=24) and threshold 4: stale = finished with g <= 37 = 4, doomed 8,
+M = 4, useful 20 - 8 + 4 = 16, under-submitted 8. With verl's default threshold 8 only g=30 is stale.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import shutil
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from click.testing import CliRunner
+from prometheus_client.parser import text_string_to_metric_families
+
+from tqmon.cli import main
+from tqmon.events import CheckpointSaved, TrainerConfig, parse_event
+from tqmon.exporters.prometheus import build_registry, render
+from tqmon.sources import checkpoint as ckpt
+from tqmon.sources.checkpoint import CheckpointError, CheckpointSource, compose, read_checkpoint
+from tqmon.store import StateStore
+from tqmon.tracker import Tracker
+
+os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"  # before ray is imported (in the fixture)
+
+STEP40 = {"pending": 3, "running": 2, "finished": 11, "failure": 4}
+AGES40 = {"1": 9, "2": 3, "3": 2, "4": 2, "6": 2, "11": 2}
+CONFIG_FLAGS = ["--train-batch-size", "8", "--num-warmup-batches", "3"]
+
+
+def uid(i: int) -> str:
+    return uuid.UUID(int=i + 1).hex  # uuid4-like hex, never contains "_"
+
+
+P = [uid(i) for i in range(24)]
+ORPHANS = [uid(100 + i) for i in range(3)]
+
+
+def batch(n: int, **columns: Any) -> Any:
+    """A TensorDict of ``n`` rows, each column ``(width, dtype)``, like the fields verl puts."""
+    import torch
+    from tensordict import TensorDict  # type: ignore[import-untyped]
+
+    return TensorDict({name: torch.ones(n, w, dtype=dtype) for name, (w, dtype) in columns.items()}, batch_size=[n])
+
+
+def prompt_fields(n: int) -> Any:
+    import torch
+
+    return batch(n, input_ids=(4, torch.int64), attention_mask=(4, torch.int64))
+
+
+def trajectory_fields(n: int) -> Any:
+    import torch
+
+    return batch(n, responses=(3, torch.int64), rm_scores=(3, torch.bfloat16), response_mask=(3, torch.bool))
+
+
+def trajectory_tag(g: int) -> dict[str, Any]:
+    return {
+        "status": "success",
+        "prompt_len": 4,
+        "response_len": 3,
+        "seq_len": 7,
+        "global_steps": g,
+        "min_global_steps": g,
+        "max_global_steps": g + 1,
+    }
+
+
+def put_prompts(tq: Any, keys: list[str], g: int, status: str) -> None:
+    """verl submits prompts pending; the rollout updates the status tag, which merges into the stored tag."""
+    pending = [{"is_prompt": True, "status": "pending", "global_steps": g} for _ in keys]
+    tq.kv_batch_put(keys=keys, partition_id="train", tags=pending, fields=prompt_fields(len(keys)))
+    if status != "pending":
+        tq.kv_batch_put(keys=keys, partition_id="train", tags=[{"status": status} for _ in keys])
+
+
+def put_trajectories(tq: Any, keys: list[str], g: int) -> None:
+    tags = [trajectory_tag(g) for _ in keys]
+    tags[0] = tags[0] | {"is_prompt": False}  # an explicit False counts as a trajectory too
+    tq.kv_batch_put(keys=keys, partition_id="train", tags=tags, fields=trajectory_fields(len(keys)))
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
+    """Real checkpoints at steps 40 and 45 under one root, plus what kv_list said when each was saved."""
+    import ray
+    import transfer_queue as tq
+    from omegaconf import OmegaConf
+
+    root = tmp_path_factory.mktemp("ckpt")
+    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
+    tq.init(OmegaConf.create({"backend": {"SimpleStorage": {"num_data_storage_units": 1, "total_storage_size": 1000}}}))
+    try:
+        put_prompts(tq, P[0:3], 40, "pending")
+        put_prompts(tq, P[3:5], 40, "running")
+        put_prompts(tq, P[5:9], 40, "finished")
+        put_prompts(tq, P[9:12], 39, "finished")
+        put_prompts(tq, P[12:14], 37, "finished")
+        put_prompts(tq, P[14:16], 30, "finished")
+        put_prompts(tq, P[16:18], 38, "failure")
+        put_prompts(tq, P[18:20], 35, "failure")
+        finished = P[5:16]
+        put_trajectories(tq, [f"{u}_0_{i}" for u in finished for i in range(2)], 39)
+        put_trajectories(tq, [f"{P[3]}_0_0"], 40)  # a running group's first finished trajectory
+        put_trajectories(tq, [f"{u}_0_0" for u in ORPHANS], 40)  # trained at step 40, prompt keys gone
+        tq.kv_batch_put(
+            keys=["valprompt"], partition_id="val", tags=[{"is_prompt": True, "status": "pending", "global_steps": 40}]
+        )
+        kv40 = tq.kv_list("train")["train"]
+        tq.save_checkpoint(root / "global_step_40" / "transfer_queue", metadata={"global_steps": 40})
+
+        # Step 45: two finished groups failed, the orphans were cleared, four new prompts are pending.
+        tq.kv_batch_put(keys=P[9:11], partition_id="train", tags=[{"status": "failure"}] * 2)
+        tq.kv_clear(keys=[f"{u}_0_0" for u in ORPHANS], partition_id="train")
+        put_prompts(tq, P[20:24], 45, "pending")
+        kv45 = tq.kv_list("train")["train"]
+        tq.save_checkpoint(root / "global_step_45" / "transfer_queue", metadata={"global_steps": 45})
+        (root / "latest_checkpointed_iteration.txt").write_text("40")
+        yield {"root": root, "kv40": kv40, "kv45": kv45}
+    finally:
+        tq.close()
+        ray.shutdown()
+
+
+@pytest.fixture
+def root(saved: dict[str, Any], tmp_path: Path) -> Path:
+    """A private copy of the checkpoint root (latest = 40) a test may break."""
+    copy = tmp_path / "ckpt"
+    shutil.copytree(saved["root"], copy)
+    return copy
+
+
+def pkl(root: Path, step: int = 40) -> Path:
+    return root / f"global_step_{step}" / "transfer_queue" / "controller_state.pkl"
+
+
+def run_inspect(*args: str, env: dict[str, str] | None = None) -> Any:
+    return CliRunner().invoke(main, ["inspect", *args], env=env, catch_exceptions=False)
+
+
+def words(text: str) -> str:
+    return " ".join(text.split())
+
+
+def inspect_json(*args: str, env: dict[str, str] | None = None) -> dict[str, Any]:
+    result = run_inspect(*args, "--json", env=env)
+    assert result.exit_code == 0, result.output
+    data: dict[str, Any] = json.loads(result.stdout)
+    return data
+
+
+def tree(path: Path) -> dict[str, tuple[int, int]]:
+    return {str(p.relative_to(path)): (p.stat().st_size, p.stat().st_mtime_ns) for p in sorted(path.rglob("*"))}
+
+
+# ---------------------------------------------------------------- the reader
+
+
+def test_reader_reproduces_kv_list_composition(saved: dict[str, Any]) -> None:
+    reading = read_checkpoint(saved["root"])
+    c = reading.composition
+    assert reading.step == 40
+    assert reading.user_metadata == {"global_steps": 40}
+    assert reading.storage_saved is True
+    assert c.by_status == STEP40
+    assert (c.restored, c.reissued, c.trajectories, c.orphan_trajectories, c.inflight_trajectories) == (20, 5, 26, 3, 1)
+    assert {str(age): n for age, n in c.by_age(41).items()} == AGES40
+    assert c.groups[("finished", 37)] == 2 and c.groups[("failure", 35)] == 2
+    # The restricted reader sees exactly what the live controller's kv_list saw when the checkpoint was saved.
+    assert c == compose(saved["kv40"])
+    later = read_checkpoint(saved["root"], 45).composition
+    assert later.by_status == {"pending": 7, "running": 2, "finished": 9, "failure": 6}
+    assert (later.orphan_trajectories, later.trajectories) == (0, 23)
+    assert later == compose(saved["kv45"])
+
+
+def test_allowlist_covers_a_real_controller_state_and_nothing_is_imported(saved: dict[str, Any]) -> None:
+    """Every global a real checkpoint references is allowed, and resolves to a stand-in, not TQ or torch."""
+    seen: set[tuple[str, str]] = set()
+
+    class Recording(ckpt.RestrictedUnpickler):
+        def find_class(self, module: str, name: str) -> Any:
+            seen.add((module, name))
+            return super().find_class(module, name)
+
+    with pkl(saved["root"]).open("rb") as handle:
+        state = Recording(handle).load()
+    assert {
+        ("transfer_queue.controller", "DataPartitionStatus"),
+        ("transfer_queue.controller", "FieldMeta"),
+        ("torch._utils", "_rebuild_tensor_v2"),
+        ("torch.storage", "_load_from_bytes"),
+        ("torch", "bfloat16"),
+        ("torch", "int64"),
+    } <= seen
+    train = state["partitions"]["train"]
+    assert type(train) is ckpt.PartitionState
+    assert type(train.state["production_status"]) is ckpt.OpaqueTensor
+    assert train.state["field_metadata"]["rm_scores"].state["dtype"] == "torch.bfloat16"
+
+    code = (
+        "import sys; from pathlib import Path; from tqmon.sources.checkpoint import read_checkpoint; "
+        f"assert read_checkpoint(Path({str(saved['root'])!r})).composition.restored == 20; "
+        "print(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'transfer_queue', 'ray')))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
+
+
+def test_reading_and_inspecting_never_write(root: Path) -> None:
+    before = tree(root)
+    time.sleep(0.01)
+    read_checkpoint(root)
+    assert run_inspect(str(root), *CONFIG_FLAGS).exit_code == 0
+    tracker = Tracker(StateStore(None))
+    CheckpointSource(root, tracker).poll()
+    assert tracker.snapshot.checkpoint is not None
+    assert tree(root) == before
+
+
+# ---------------------------------------------------------------- tqmon inspect
+
+
+def test_inspect_without_config_prints_what_the_checkpoint_alone_tells(saved: dict[str, Any]) -> None:
+    result = run_inspect(str(saved["root"]))
+    assert result.exit_code == 0, result.output
+    text = words(result.stdout)
+    assert text.startswith(
+        "resuming from step 40 will restore 20 prompt groups: 3 pending, 2 running, 11 finished, 4 failed;"
+    )
+    assert "by age at 41 1: 9 · 2: 3 · 3: 2 · 4: 2 · 6: 2 · 11: 2" in text
+    assert "re-issued K 5 (pending + running" in text and "clears 1 old trajectories" in text
+    assert "doomed failure 4 · stale ? · filtered ?" in text
+    assert "trajectories 26 (3 orphaned" in text
+    assert "need the trainer config" in text and "target T" not in text
+
+    data = inspect_json(str(saved["root"]))
+    assert (data["restored"], data["reissued"], data["orphan_trajectories"]) == (20, 5, 3)
+    assert data["by_status"] == STEP40 and data["by_age"] == AGES40
+    assert data["doomed"] == {"failure": 4}
+    assert data["target"] is None and data["under_submitted"] is None and data["config"] is None
+
+
+def test_inspect_with_config_predicts_the_deficit(saved: dict[str, Any]) -> None:
+    args = [str(saved["root"]), *CONFIG_FLAGS, "--max-off-policy-threshold", "4"]
+    text = run_inspect(*args).stdout
+    assert text.splitlines()[0] == (
+        "resuming from step 40 will restore 20 prompt groups: 3 pending, 2 running, 11 finished (4 stale), "
+        "4 failed; warmup will submit 4; useful window right after warmup 16 of 24 — under-submitted by 8"
+    )
+    data = inspect_json(*args)
+    assert data["doomed"] == {"failure": 4, "stale": 4, "filtered": 0}
+    assert (data["target"], data["warmup_submitted"], data["over_restored"]) == (24, 4, 0)
+    assert (data["useful_after_warmup"], data["under_submitted"], data["warmup_state"]) == (16, 8, "topped_up")
+    assert data["under_submitted_is_lower_bound"] is False
+
+
+def test_inspect_config_from_env_default_threshold_and_over_restore(saved: dict[str, Any]) -> None:
+    env = {"TQMON_TRAIN_BATCH_SIZE": "8", "TQMON_NUM_WARMUP_BATCHES": "3"}
+    data = inspect_json(str(saved["root"]), env=env)  # verl's default threshold 8: only g=30 is stale
+    assert data["doomed"] == {"failure": 4, "stale": 2, "filtered": 0}
+    assert (data["useful_after_warmup"], data["under_submitted"]) == (18, 6)
+
+    data = inspect_json(str(saved["root"]), "--num-warmup-batches", "2", "--max-off-policy-threshold", "4", env=env)
+    assert (data["target"], data["warmup_submitted"], data["over_restored"]) == (16, 0, 4)
+    assert (data["warmup_state"], data["useful_after_warmup"], data["under_submitted"]) == (
+        "skipped_over_restored",
+        12,
+        4,
+    )
+
+    data = inspect_json(str(saved["root"]), "--max-off-policy-threshold", "null", env=env)
+    assert data["doomed"] == {"failure": 4, "stale": 0, "filtered": 0}
+    assert data["under_submitted"] == 4
+
+    data = inspect_json(str(saved["root"]), "--trainer-mode", "sync", env=env)  # verl restores no TQ state
+    assert (data["restored"], data["reissued"], data["target"], data["warmup_state"]) == (0, 0, 0, "sync_mode")
+    assert data["by_status"] == STEP40  # what the checkpoint holds, all the same
+
+
+def test_inspect_filter_groups_gives_a_lower_bound(saved: dict[str, Any]) -> None:
+    args = [str(saved["root"]), *CONFIG_FLAGS, "--max-off-policy-threshold", "4", "--filter-groups"]
+    data = inspect_json(*args)
+    assert data["doomed"] == {"failure": 4, "stale": 4}  # DAPO's verdicts are not in a checkpoint
+    assert (data["under_submitted"], data["under_submitted_is_lower_bound"]) == (8, True)
+    assert "under-submitted by at least 8" in run_inspect(*args).stdout
+
+
+def test_inspect_accepts_a_step_dir_and_reports_progress_for_large_checkpoints(
+    saved: dict[str, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    assert inspect_json(str(saved["root"] / "global_step_45"))["restored"] == 24
+    assert inspect_json(str(saved["root"] / "global_step_45" / "transfer_queue"))["step"] == 45
+    assert inspect_json(str(saved["root"]), "--step", "45")["orphan_trajectories"] == 0
+
+    assert "reading controller_state.pkl" not in run_inspect(str(saved["root"])).stderr  # small: no bar
+    monkeypatch.setattr(ckpt, "LARGE_CHECKPOINT_BYTES", 0)
+    result = run_inspect(str(saved["root"]), "--json")
+    assert "reading controller_state.pkl" in result.stderr and "classifying 46 keys" in result.stderr
+    assert json.loads(result.stdout)["restored"] == 20  # the bars never reach stdout
+
+
+def test_inspect_reports_a_broken_checkpoint_as_an_error(root: Path) -> None:
+    (root / "latest_checkpointed_iteration.txt").write_text("forty")
+    result = run_inspect(str(root))
+    assert result.exit_code == 1
+    assert "latest_checkpointed_iteration.txt: expected a step number, got b'forty'" in result.stderr
+
+
+# ---------------------------------------------------------------- the source, the tracker, the metrics
+
+
+def value(exposition: str, name: str, **labels: str) -> float | None:
+    """One sample of a text exposition, whatever order its labels are written in."""
+    for family in text_string_to_metric_families(exposition):
+        for sample in family.samples:
+            if sample.name == name and sample.labels == labels:
+                return float(sample.value)
+    return None
+
+
+def metrics(tracker: Tracker) -> str:
+    body, _ = render(build_registry(lambda: tracker.snapshot, process_metrics=False), None)
+    return body.decode()
+
+
+def test_source_feeds_the_tracker_and_the_metrics(root: Path) -> None:
+    config = TrainerConfig(train_batch_size=8, num_warmup_batches=3, max_off_policy_threshold=4)
+    tracker = Tracker(StateStore(None), flag_config=("colocate_async", config))
+    source = CheckpointSource(root, tracker, interval=1.0)
+    source.poll()
+    view = tracker.snapshot.checkpoint
+    assert view is not None
+    assert (view.step, view.source, dict(view.by_status or {})) == (40, "checkpoint", STEP40)
+    assert dict(view.doomed or {}) == {"failure": 4, "stale": 4, "filtered": 0}
+    assert view.orphan_trajectories == 3
+    assert tracker.snapshot.trainer_step is None  # a checkpoint on disk says nothing of the trainer's progress
+    text = metrics(tracker)
+    assert value(text, "tqmon_checkpoint_prompt_groups", status="finished") == 11
+    assert value(text, "tqmon_checkpoint_doomed_prompt_groups", reason="stale") == 4
+    assert value(text, "tqmon_checkpoint_orphan_trajectories") == 3
+    assert value(text, "tqmon_source_up", source="checkpoint") == 1
+
+    source.poll()  # unchanged: nothing new is ingested
+    assert tracker.snapshot.counters["tqmon_events_total"] == {("checkpoint", "applied"): 1}
+
+    (root / "latest_checkpointed_iteration.txt").write_text("45\n")
+    source.poll()
+    view = tracker.snapshot.checkpoint
+    assert view is not None and view.step == 45
+    assert dict(view.by_status or {}) == {"pending": 7, "running": 2, "finished": 9, "failure": 6}
+    assert dict(view.doomed or {}) == {"failure": 6, "stale": 9, "filtered": 0}  # at step 46 every finished one
+    assert view.orphan_trajectories == 0
+    assert tracker.snapshot.counters["tqmon_events_total"] == {("checkpoint", "applied"): 2}
+
+
+def doomed(tracker: Tracker) -> dict[str, int] | None:
+    view = tracker.snapshot.checkpoint
+    return None if view is None or view.doomed is None else dict(view.doomed)
+
+
+def test_source_event_survives_restart_and_config_arriving_later(root: Path, tmp_path: Path) -> None:
+    store = tmp_path / "state"
+    tracker = Tracker(StateStore(store))
+    CheckpointSource(root, tracker).poll()
+    assert doomed(tracker) == {"failure": 4}  # no config yet: only failure is known
+    run = {
+        "type": "run_started",
+        "id": "run",
+        "run_id": "r",
+        "trainer_mode": "colocate_async",
+        "config": {"train_batch_size": 8, "num_warmup_batches": 3},
+    }
+    tracker.ingest([parse_event(run)], "events")
+    assert doomed(tracker) == {"failure": 4, "stale": 2, "filtered": 0}  # verl's default threshold 8
+
+    restarted = Tracker(StateStore(store))
+    restarted.replay()
+    assert doomed(restarted) == {"failure": 4, "stale": 2, "filtered": 0}
+    view = restarted.snapshot.checkpoint
+    assert view is not None and view.step == 40 and view.orphan_trajectories == 3
+    CheckpointSource(root, restarted).poll()  # the same checkpoint again: a duplicate, not a second event
+    assert restarted.snapshot.counters["tqmon_events_total"][("checkpoint", "duplicate")] == 1
+
+
+def test_tracker_checkpoint_saved_rules() -> None:
+    tracker = Tracker(StateStore(None))
+    by_status = {"pending": 1, "running": 0, "finished": 5, "failure": 2}
+    tracker.ingest(
+        [parse_event({"type": "checkpoint_saved", "id": "e1", "step": 30, "by_status": by_status})], "events"
+    )
+    view = tracker.snapshot.checkpoint
+    assert view is not None and dict(view.doomed or {}) == {"failure": 2}  # only failure is knowable
+    assert tracker.snapshot.trainer_step == 30  # the trainer said it saved step 30
+
+    tracker.ingest([CheckpointSaved(id="log:1", step=30)], "log")  # the bare log line of the same save
+    assert tracker.snapshot.checkpoint == view
+    tracker.ingest([CheckpointSaved(id="log:2", step=35)], "log")  # a newer save replaces it
+    assert tracker.snapshot.checkpoint is not None and tracker.snapshot.checkpoint.step == 35
+
+    with pytest.raises(ValueError, match="disagrees with groups"):
+        parse_event(
+            {
+                "type": "checkpoint_saved",
+                "id": "x",
+                "step": 3,
+                "by_status": {"failure": 1},
+                "groups": [{"status": "finished", "global_steps": 2, "count": 1}],
+            }
+        )
+
+
+# ---------------------------------------------------------------- hostile and broken checkpoints
+
+
+class _Shell:
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (os.system, (f"touch {self.marker}",))
+
+
+def test_hostile_pickle_is_refused_and_nothing_runs(root: Path, tmp_path: Path) -> None:
+    payload = pickle.dumps({"partitions": {"train": _Shell(tmp_path / "pwned")}})
+    control = tmp_path / "control"
+    pickle.loads(pickle.dumps(_Shell(control)))  # the stock unpickler runs such a payload
+    assert control.exists()
+
+    pkl(root).write_bytes(payload)
+    with pytest.raises(CheckpointError, match=rf"refused global {os.system.__module__}\.system") as err:
+        read_checkpoint(root)
+    assert err.value.reason == "invalid_data" and "controller_state.pkl" in str(err.value)
+    assert not (tmp_path / "pwned").exists()
+
+
+def test_payload_hidden_in_an_allowed_torch_storage_is_never_loaded(root: Path, tmp_path: Path) -> None:
+    import torch.storage
+
+    class Hidden:
+        def __reduce__(self) -> tuple[Any, ...]:
+            return (torch.storage._load_from_bytes, (pickle.dumps(_Shell(self.marker)),))
+
+        marker = tmp_path / "pwned"
+
+    Hidden.marker = tmp_path / "control"
+    with pytest.raises(RuntimeError, match="magic number"):  # torch.load runs the inner pickle, then gives up
+        pickle.loads(pickle.dumps(Hidden()))
+    assert Hidden.marker.exists()
+
+    Hidden.marker = tmp_path / "pwned"
+    pkl(root).write_bytes(pickle.dumps({"partitions": {"train": Hidden()}}))
+    with pytest.raises(CheckpointError, match="partition 'train' is OpaqueStorage"):
+        read_checkpoint(root)
+    assert not (tmp_path / "pwned").exists()
+
+
+def _short(text: str) -> bytes:
+    return b"\x8c" + bytes([len(text)]) + text.encode()
+
+
+def test_an_allowed_global_cannot_be_reconfigured_by_build(root: Path) -> None:
+    """``GLOBAL torch._utils _rebuild_tensor_v2`` then ``BUILD (None, {"__defaults__": (1,)})``: a stock
+    function would silently keep the new defaults for every later read."""
+    tamper = (
+        b"\x80\x04" + _short("torch._utils") + _short("_rebuild_tensor_v2") + b"\x93"  # PROTO, STACK_GLOBAL
+        b"N}" + _short("__defaults__") + b"K\x01\x85s\x86b."  # (None, {"__defaults__": (1,)}), BUILD, STOP
+    )
+    pkl(root).write_bytes(tamper)
+    with pytest.raises(CheckpointError, match=r"refused to modify torch\._utils\._rebuild_tensor_v2"):
+        read_checkpoint(root)
+    assert ckpt._rebuild_tensor.__defaults__ is None
+
+
+@pytest.mark.parametrize(
+    ("breakage", "reason", "message"),
+    [
+        ("latest_not_a_number", "invalid_data", "latest_checkpointed_iteration.txt: expected a step number"),
+        ("metadata_not_json", "invalid_data", "metadata.json: not valid JSON"),
+        ("metadata_wrong_step", "invalid_data", "user_metadata.global_steps is 7, not 40"),
+        ("pickle_truncated", "invalid_data", "controller_state.pkl: truncated pickle"),
+        ("pickle_missing", "read_error", "controller_state.pkl does not exist"),
+        ("step_dir_missing", "read_error", "says 40, but"),
+    ],
+)
+def test_broken_checkpoint_fails_the_source_cleanly(root: Path, breakage: str, reason: str, message: str) -> None:
+    tq_dir = root / "global_step_40" / "transfer_queue"
+    good = pkl(root).read_bytes()
+    match breakage:
+        case "latest_not_a_number":
+            (root / "latest_checkpointed_iteration.txt").write_text("step40")
+        case "metadata_not_json":
+            (tq_dir / "metadata.json").write_text('{"storage_saved": true,')
+        case "metadata_wrong_step":
+            (tq_dir / "metadata.json").write_text('{"storage_saved": true, "user_metadata": {"global_steps": 7}}')
+        case "pickle_truncated":
+            pkl(root).write_bytes(good[: len(good) // 2])
+        case "pickle_missing":
+            pkl(root).unlink()
+        case "step_dir_missing":
+            shutil.rmtree(root / "global_step_40")
+    tracker = Tracker(StateStore(None))
+    source = CheckpointSource(root, tracker)
+    source.poll()
+    source.poll()  # still broken: counted again, not re-read into a different answer
+    snap = tracker.snapshot
+    health = next(s for s in snap.sources if s.source == "checkpoint")
+    assert not health.ok and message in (health.last_error or "")
+    assert snap.counters["tqmon_source_errors_total"] == {("checkpoint", reason): 2}
+    assert snap.checkpoint is None and snap.counters["tqmon_events_total"] == {}
+
+
+def test_missing_checkpoint_dir_is_unavailable_until_the_first_save(tmp_path: Path) -> None:
+    tracker = Tracker(StateStore(None))
+    CheckpointSource(tmp_path / "nothing-yet", tracker).poll()
+    assert tracker.snapshot.counters["tqmon_source_errors_total"] == {("checkpoint", "unavailable"): 1}
+
+
+def test_serve_keeps_serving_with_a_hostile_checkpoint(root: Path, tmp_path: Path, tqmon_factory: Any) -> None:
+    good = pkl(root).read_bytes()
+    pkl(root).write_bytes(pickle.dumps({"partitions": {"train": _Shell(tmp_path / "pwned")}}))
+    args = ["--checkpoint-dir", str(root), "--checkpoint-interval", "0.2", *CONFIG_FLAGS]
+    tqmon = tqmon_factory([*args, "--max-off-policy-threshold", "4"]).start()
+
+    def wait_for(ok: Any, name: str, **labels: str) -> str:
+        deadline = time.monotonic() + 15
+        while time.monotonic() < deadline:
+            text: str = tqmon.metrics()
+            if ok(value(text, name, **labels)):
+                return text
+            time.sleep(0.1)
+        raise AssertionError(f"{name}{labels} never satisfied the condition:\n{text}")
+
+    errors = {"source": "checkpoint", "reason": "invalid_data"}
+    text = wait_for(lambda v: v is not None and v >= 1, "tqmon_source_errors_total", **errors)
+    assert value(text, "tqmon_source_up", source="checkpoint") == 0
+    assert value(text, "tqmon_checkpoint_step") is None  # nothing was ingested
+    assert httpx.get(tqmon.url + "/healthz", timeout=5).status_code == 200
+    assert not (tmp_path / "pwned").exists()
+
+    pkl(root).write_bytes(good)  # the operator restores the file: the source recovers by itself
+    text = wait_for(lambda v: v == 1, "tqmon_source_up", source="checkpoint")
+    assert value(text, "tqmon_checkpoint_step") == 40
+    assert value(text, "tqmon_checkpoint_prompt_groups", status="failure") == 4
+    assert value(text, "tqmon_checkpoint_doomed_prompt_groups", reason="stale") == 4
+    assert value(text, "tqmon_checkpoint_orphan_trajectories") == 3
