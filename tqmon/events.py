@@ -7,8 +7,9 @@ idempotent. Sources that derive events (the log tailer) give them deterministic 
 from __future__ import annotations
 
 import time
+from collections.abc import Mapping
 from datetime import UTC, datetime
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import (
     BaseModel,
@@ -93,6 +94,18 @@ class TrainingStarted(_Event):
     checkpoint_path: str | None = None
 
 
+def status_counts(by_status: Mapping[Any, int] | None, groups: list[GroupCount] | None) -> dict[str, int] | None:
+    """Prompt groups by status from a stated split or a composition; None when only a total is known."""
+    if by_status is not None:
+        return {str(status): count for status, count in by_status.items()}
+    if groups is not None:
+        counts = dict.fromkeys(PROMPT_STATUSES, 0)
+        for group in groups:
+            counts[group.status] += group.count
+        return counts
+    return None
+
+
 class GroupCount(BaseModel):
     """Restored prompt groups sharing a status and a submission step."""
 
@@ -124,14 +137,7 @@ class CheckpointRestored(_Event):
 
     def status_counts(self) -> dict[str, int] | None:
         """R by status, from ``by_status`` or the ``groups`` composition; None if only the total is known."""
-        if self.by_status is not None:
-            return {str(status): count for status, count in self.by_status.items()}
-        if self.groups is not None:
-            counts = dict.fromkeys(PROMPT_STATUSES, 0)
-            for group in self.groups:
-                counts[group.status] += group.count
-            return counts
-        return None
+        return status_counts(self.by_status, self.groups)
 
 
 class InflightReissued(_Event):
@@ -183,9 +189,7 @@ class CheckpointSaved(_Event):
     @model_validator(mode="after")
     def _breakdowns_agree(self) -> CheckpointSaved:
         if self.by_status is not None and self.groups is not None:
-            from_groups = dict.fromkeys(PROMPT_STATUSES, 0)
-            for group in self.groups:
-                from_groups[group.status] += group.count
+            from_groups = status_counts(None, self.groups) or {}
             stated = {str(status): count for status, count in self.by_status.items()}
             if any(stated.get(status, 0) != count for status, count in from_groups.items()):
                 raise ValueError(f"by_status {self.by_status} disagrees with groups, which count {from_groups}")
@@ -193,14 +197,7 @@ class CheckpointSaved(_Event):
 
     def status_counts(self) -> dict[str, int] | None:
         """Saved prompt groups by status, from ``by_status`` or the ``groups`` composition; None if unknown."""
-        if self.by_status is not None:
-            return {str(status): count for status, count in self.by_status.items()}
-        if self.groups is not None:
-            counts = dict.fromkeys(PROMPT_STATUSES, 0)
-            for group in self.groups:
-                counts[group.status] += group.count
-            return counts
-        return None
+        return status_counts(self.by_status, self.groups)
 
 
 class WindowObserved(_Event):
