@@ -281,7 +281,7 @@ def serve(
 
 @main.command()
 @click.argument("logs", nargs=-1, required=True, type=click.Path(exists=True, dir_okay=False))
-@click.option("--json", "as_json", is_flag=True, help="Print the records as JSON instead of a table.")
+@option("--json", "as_json", is_flag=True, help="Print the records as JSON instead of a table.", env="ANALYZE_JSON")
 def analyze(logs: tuple[str, ...], as_json: bool) -> None:
     """Print the resume records and verdicts found in finished verl logs (read in the order given)."""
     from tqmon.report import table
@@ -306,8 +306,14 @@ def analyze(logs: tuple[str, ...], as_json: bool) -> None:
 
 @main.command("inspect")
 @click.argument("checkpoint_dir", type=click.Path(exists=True, file_okay=False, path_type=Path))
-@click.option("--step", type=click.IntRange(min=0), default=None, help="Inspect global_step_N, not the latest.")
-@click.option("--json", "as_json", is_flag=True, help="Print the preflight as JSON.")
+@option(
+    "--step",
+    type=click.IntRange(min=0),
+    default=None,
+    help="Inspect global_step_N, not the latest.",
+    env="INSPECT_STEP",
+)
+@option("--json", "as_json", is_flag=True, help="Print the preflight as JSON.", env="INSPECT_JSON")
 @trainer_config_options
 def inspect_checkpoint(checkpoint_dir: Path, step: int | None, as_json: bool, trainer: TrainerFlags) -> None:
     """Preflight a resume: what restoring CHECKPOINT_DIR's TransferQueue state will do.
@@ -330,7 +336,7 @@ def inspect_checkpoint(checkpoint_dir: Path, step: int | None, as_json: bool, tr
 
 @main.command()
 @option("--listen", default=LISTEN_DEFAULT, show_default=True, help="HOST:PORT to serve on.", env="LISTEN")
-@click.option("--speed", type=float, default=20.0, show_default=True, help="Log lines written per second.")
+@option("--speed", type=float, default=20.0, show_default=True, help="Log lines written per second.", env="DEMO_SPEED")
 def demo(listen: str, speed: float) -> None:
     """Replay a bundled log of a preempted and resumed verl run into a file and serve tqmon on it."""
     from tqmon.demo import run_demo
