@@ -16,6 +16,7 @@ from tqmon.warmup import (
     decide_warmup,
     is_legacy_growth,
     is_legacy_unconditional,
+    known_doomed,
     legacy_submitted,
     target_window,
     under_submitted,
@@ -221,3 +222,19 @@ def test_doomed_is_a_partition_of_terminal_groups(
     if not filter_groups:
         assert doomed["filtered"] == 0
     assert 0 <= under_submitted(12, len(groups), sum(doomed.values()), 0) <= 12
+
+
+def test_known_doomed_decides_only_what_the_evidence_can() -> None:
+    groups = [RestoredGroup("failure", 9), RestoredGroup("finished", 1), RestoredGroup("finished", 9)]
+    statuses = {"failure": 1, "finished": 2}
+    # Composition and config: every reason, except DAPO verdicts nobody supplied.
+    assert known_doomed(cfg(), statuses, groups, 9) == {"failure": 1, "stale": 1, "filtered": 0}
+    assert known_doomed(cfg(filter_groups=True), statuses, groups, 9) == {"failure": 1, "stale": 1}
+    # Statuses alone: failures; the config adds only the reasons it rules out.
+    assert known_doomed(None, statuses, None, 9) == {"failure": 1}
+    assert known_doomed(cfg(max_off_policy_threshold=None), statuses, None, 9) == {
+        "failure": 1,
+        "stale": 0,
+        "filtered": 0,
+    }
+    assert known_doomed(None, None, None, 9) is None

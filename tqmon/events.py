@@ -23,7 +23,7 @@ from pydantic import (
 )
 
 from tqmon.catalog import PARTITIONS, SOURCES
-from tqmon.warmup import DOOM_REASONS, PROMPT_STATUSES, WarmupConfig
+from tqmon.warmup import DOOM_REASONS, PROMPT_STATUSES, RestoredGroup, WarmupConfig
 
 # Counts and steps are bounded so every value stays exact as a Prometheus float (2**53).
 Count = Annotated[int, Field(ge=0, le=2**53)]
@@ -104,6 +104,11 @@ def status_counts(by_status: Mapping[Any, int] | None, groups: list[GroupCount] 
             counts[group.status] += group.count
         return counts
     return None
+
+
+def restored_groups(groups: list[GroupCount]) -> list[RestoredGroup]:
+    """The composition one group at a time, as the warmup model classifies it."""
+    return [RestoredGroup(g.status, g.global_steps, g.filtered) for g in groups for _ in range(g.count)]
 
 
 class GroupCount(BaseModel):

@@ -26,6 +26,8 @@ from tqmon.events import (
     TrainingStarted,
     WarmupDecided,
     WindowObserved,
+    restored_groups,
+    status_counts,
 )
 from tqmon.snapshot import (
     CheckpointView,
@@ -40,13 +42,12 @@ from tqmon.store import StateStore
 from tqmon.warmup import (
     DOOM_REASONS,
     PROMPT_STATUSES,
-    RestoredGroup,
     WarmupConfig,
     WarmupState,
-    classify_doomed,
     decide_warmup,
     is_legacy_growth,
     is_legacy_unconditional,
+    known_doomed,
     legacy_submitted,
     target_window,
 )
@@ -217,48 +218,17 @@ def _doomed(obs: _Observed, config: WarmupConfig | None, restored: int | None) -
     """Doomed restored groups by the reasons that are known; None when none is."""
     if restored == 0:
         return dict.fromkeys(DOOM_REASONS, 0)
-    if obs.groups is not None and config is not None and obs.checkpoint_step is not None:
-        groups = [RestoredGroup(g.status, g.global_steps, g.filtered) for g in obs.groups for _ in range(g.count)]
-        return classify_doomed(config, groups, obs.checkpoint_step)
-    known: dict[str, int] = {}
-    statuses = obs.by_status
-    if statuses is None and obs.groups is not None:
-        statuses = Counter()
-        for group in obs.groups:
-            statuses[group.status] += group.count
-    if statuses is not None:
-        known["failure"] = statuses.get("failure", 0)
-    if config is not None:
-        if config.max_off_policy_threshold is None or config.max_off_policy_strategy != "drop":
-            known["stale"] = 0
-        if not config.filter_groups:
-            known["filtered"] = 0
-    return known or None
+    groups = restored_groups(obs.groups) if obs.groups is not None and obs.checkpoint_step is not None else None
+    return known_doomed(config, status_counts(obs.by_status, obs.groups), groups, obs.checkpoint_step or 0)
 
 
 def checkpoint_doomed(event: CheckpointSaved, config: WarmupConfig | None) -> dict[str, int] | None:
-    """Doomed groups of a resume from this checkpoint, by the reasons that are known; None when none is.
-
-    With the composition and the config, ``classify_doomed`` decides all three reasons, except
-    ``filtered`` under DAPO filtering when no group carries a verdict (a checkpoint holds no rewards).
-    With only the statuses: ``failure``, plus the reasons the config rules out.
-    """
+    """Doomed groups of a resume from this checkpoint; None when the checkpoint's composition is unknown."""
     statuses = event.status_counts()
     if statuses is None:
         return None
-    if event.groups is not None and config is not None:
-        groups = (RestoredGroup(g.status, g.global_steps, g.filtered) for g in event.groups for _ in range(g.count))
-        doomed = classify_doomed(config, groups, event.step)
-        if config.filter_groups and not any(g.filtered for g in event.groups):
-            del doomed["filtered"]
-        return doomed
-    known = {"failure": statuses.get("failure", 0)}
-    if config is not None:
-        if config.max_off_policy_threshold is None or config.max_off_policy_strategy != "drop":
-            known["stale"] = 0
-        if not config.filter_groups:
-            known["filtered"] = 0
-    return known
+    groups = restored_groups(event.groups) if event.groups is not None else None
+    return known_doomed(config, statuses, groups, event.step)
 
 
 class Tracker:

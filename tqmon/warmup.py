@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import enum
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 ASYNC_MODES = frozenset({"colocate_async", "separate_async"})
@@ -159,6 +159,34 @@ def classify_doomed(config: WarmupConfig, groups: Iterable[RestoredGroup], check
         if reason is not None:
             counts[reason] += 1
     return counts
+
+
+def known_doomed(
+    config: WarmupConfig | None,
+    statuses: Mapping[str, int] | None,
+    groups: Sequence[RestoredGroup] | None,
+    checkpoint_step: int,
+) -> dict[str, int] | None:
+    """Doomed groups by the reasons what was observed can decide; None when it decides none.
+
+    With the composition and the config all three are decided, except ``filtered`` under DAPO when no
+    group carries a verdict (verdicts need rewards, which only a plugin sees). With the statuses alone:
+    ``failure``, plus the reasons the config rules out.
+    """
+    if groups is not None and config is not None:
+        doomed = classify_doomed(config, groups, checkpoint_step)
+        if config.filter_groups and not any(group.filtered for group in groups):
+            del doomed["filtered"]
+        return doomed
+    known: dict[str, int] = {}
+    if statuses is not None:
+        known["failure"] = statuses.get("failure", 0)
+    if config is not None:
+        if config.max_off_policy_threshold is None or config.max_off_policy_strategy != "drop":
+            known["stale"] = 0
+        if not config.filter_groups:
+            known["filtered"] = 0
+    return known or None
 
 
 def under_submitted(target: int, restored: int, doomed: int, submitted: int) -> int:

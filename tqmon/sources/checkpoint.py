@@ -600,7 +600,7 @@ def _config_json(config: WarmupConfig) -> dict[str, Any]:
     return {name: getattr(config, name) for name in WarmupConfig.__slots__}
 
 
-def known_doomed(reading: CheckpointReading, config: WarmupConfig | None) -> dict[str, int]:
+def predicted_doomed(reading: CheckpointReading, config: WarmupConfig | None) -> dict[str, int]:
     """Doomed groups by the reasons that are known: the tracker's rule, so ``inspect`` and the metrics agree."""
     return checkpoint_doomed(reading.to_event(), config) or {}
 
@@ -614,7 +614,7 @@ def preflight(reading: CheckpointReading, config: WarmupConfig | None) -> Prefli
             "T, M, O and the under-submission need the trainer config: "
             "--train-batch-size and --num-warmup-batches (stale and filtered also need it)"
         )
-        doomed = known_doomed(reading, None)
+        doomed = predicted_doomed(reading, None)
         return Preflight(
             reading,
             None,
@@ -641,7 +641,7 @@ def preflight(reading: CheckpointReading, config: WarmupConfig | None) -> Prefli
             notes=tuple(notes),
         )
     restored = composition.restored
-    doomed = known_doomed(reading, config)
+    doomed = predicted_doomed(reading, config)
     decision = decide_warmup(config, restored, resumed=True)
     lost = sum(doomed.values())
     if "filtered" not in doomed:
