@@ -12,7 +12,7 @@ $(BIN)/tqmon: pyproject.toml
 	$(BIN)/pip install --quiet --upgrade pip
 	# CPU torch first: transferqueue depends on torch, and pip would otherwise fetch a multi-GB CUDA build.
 	$(BIN)/pip install --quiet torch==$(TORCH_VERSION)
-	$(BIN)/pip install --quiet -e '.[dev,tq,otel]'
+	$(BIN)/pip install --quiet -e '.[dev,tq,otel,verl]'
 	touch $@
 
 system-deps:
@@ -36,7 +36,7 @@ unit: $(BIN)/tqmon system-deps
 test: lint typecheck unit
 
 docs: $(BIN)/tqmon
-	$(BIN)/python -m tqmon.docs
+	$(BIN)/python -m tqmon.docs && $(BIN)/python -m tqmon.rules && $(BIN)/python -m tqmon.dashboards
 
 bench: $(BIN)/tqmon
 	$(BIN)/python bench/bench_service.py

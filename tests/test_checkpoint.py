@@ -31,10 +31,11 @@ from click.testing import CliRunner
 from prometheus_client.parser import text_string_to_metric_families
 
 from tqmon.cli import main
+from tqmon.composition import compose
 from tqmon.events import CheckpointSaved, TrainerConfig, parse_event
 from tqmon.exporters.prometheus import build_registry, render
 from tqmon.sources import checkpoint as ckpt
-from tqmon.sources.checkpoint import CheckpointError, CheckpointSource, compose, read_checkpoint
+from tqmon.sources.checkpoint import CheckpointError, CheckpointSource, read_checkpoint
 from tqmon.store import StateStore
 from tqmon.tracker import Tracker
 
@@ -345,7 +346,7 @@ def metrics(tracker: Tracker) -> str:
 
 def test_source_feeds_the_tracker_and_the_metrics(root: Path) -> None:
     config = TrainerConfig(train_batch_size=8, num_warmup_batches=3, max_off_policy_threshold=4)
-    tracker = Tracker(StateStore(None), flag_config=("colocate_async", config))
+    tracker = Tracker(StateStore(None), flag_config=("colocate_async", config, "flags"))
     source = CheckpointSource(root, tracker, interval=1.0)
     source.poll()
     view = tracker.snapshot.checkpoint

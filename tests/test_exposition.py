@@ -24,6 +24,7 @@ from tqmon.snapshot import (
     RunInfo,
     Snapshot,
     SourceHealth,
+    TQPollView,
     WindowView,
 )
 from tqmon.warmup import WarmupState
@@ -52,6 +53,8 @@ def full_snapshot(now: float = NOW) -> Snapshot:
         doomed={"failure": 2, "stale": 1, "filtered": 0},
         under_submitted=3,
         warmup_state=WarmupState.TOPPED_UP,
+        first_step_evictions={"failure": 2, "stale": 0, "filtered": 0},
+        first_step_generation_wait_seconds=31.5,
         evidence=(Evidence("log", "checkpoint_restored", "log:1", now - 119, "restored_prompt_groups=9"),),
     )
     return Snapshot(
@@ -76,9 +79,11 @@ def full_snapshot(now: float = NOW) -> Snapshot:
         ),
         trainer_step=43,
         trainer_last_event=now - 5,
+        trainer_step_seconds=42.5,
         resumes_total=1,
         records_total=2,
         last_record=record,
+        tq=TQPollView("ctrl-1", 2, 1.0, 0.004, 1234, now + 60),
         checkpoint=CheckpointView(
             45, "checkpoint", {"pending": 1, "running": 1, "finished": 9, "failure": 1}, {"failure": 1}, 7
         ),
@@ -155,10 +160,12 @@ def test_unknown_values_are_omitted_not_zero() -> None:
         windows=(),
         trainer_step=None,
         trainer_last_event=None,
+        trainer_step_seconds=None,
         resumes_total=0,
         records_total=0,
         last_record=None,
         checkpoint=None,
+        tq=None,
         sources=(),
         counters={},
     )

@@ -181,6 +181,20 @@ CATALOG: tuple[MetricSpec, ...] = (
         "prompt_groups",
     ),
     MetricSpec(
+        "tqmon_resume_first_step_evicted_prompt_groups",
+        MetricType.GAUGE,
+        "Prompt groups the first sample after the last start really evicted, by reason (verl's step metrics); "
+        "compare with tqmon_resume_doomed_prompt_groups.",
+        "prompt_groups",
+        (REASON,),
+    ),
+    MetricSpec(
+        "tqmon_resume_first_step_generation_wait_seconds",
+        MetricType.GAUGE,
+        "How long the first step after the last start waited for rollouts (verl timing_s/gen).",
+        "seconds",
+    ),
+    MetricSpec(
         "tqmon_resume_warmup_state",
         MetricType.STATESET,
         "What the warmup did at the last start.",
@@ -213,8 +227,38 @@ CATALOG: tuple[MetricSpec, ...] = (
         "Trajectory keys without a prompt key in the latest checkpoint.",
         "trajectories",
     ),
+    # The live TransferQueue poller and its load on the controller.
+    MetricSpec(
+        "tqmon_tq_poll_interval_seconds",
+        MetricType.GAUGE,
+        "Poll interval in force: the fast end after a resume, else the steady one; longer if --tq-budget needs.",
+        "seconds",
+    ),
+    MetricSpec(
+        "tqmon_tq_controller_busy_ratio",
+        MetricType.GAUGE,
+        "Estimated share of the TQ controller's request thread taken by tqmon's kv_list polls (cost / period).",
+        "ratio",
+    ),
+    MetricSpec(
+        "tqmon_tq_reply_keys",
+        MetricType.GAUGE,
+        "Keys in the last kv_list reply, all partitions (absent while the controller is unreachable).",
+        "keys",
+    ),
+    MetricSpec(
+        "tqmon_tq_controller_epochs_total",
+        MetricType.COUNTER,
+        "TransferQueue controllers seen; a controller with a new id is a new epoch of the run (a trainer restart).",
+    ),
     # Trainer progress and identity.
     MetricSpec("tqmon_trainer_global_step", MetricType.GAUGE, "Last trainer global step observed."),
+    MetricSpec(
+        "tqmon_trainer_step_duration_seconds",
+        MetricType.GAUGE,
+        "Mean duration of the trainer's last 10 steps (verl timing_s/step); the step rate is its inverse.",
+        "seconds",
+    ),
     MetricSpec(
         "tqmon_trainer_last_event_timestamp_seconds",
         MetricType.GAUGE,

@@ -18,6 +18,7 @@ from tqmon import __version__
 from tqmon.events import TrainerConfig
 from tqmon.server import serve_forever
 from tqmon.service import ServiceConfig
+from tqmon.sources.tq import PollBudget
 from tqmon.warmup import OFF_POLICY_STRATEGIES, TRAINER_MODES
 
 LISTEN_DEFAULT = "127.0.0.1:9842"
@@ -59,6 +60,7 @@ class TrainerFlags:
     max_off_policy_strategy: str
     skip_rollout_tq: bool
     filter_groups: bool
+    trainer_config: Path | None
 
     @property
     def missing(self) -> list[str]:
@@ -88,6 +90,23 @@ class TrainerFlags:
             )
         except ValidationError as err:
             raise click.UsageError(f"invalid trainer config: {err}") from None
+
+    def resolve(self) -> tuple[str, TrainerConfig, str] | None:
+        """``(trainer_mode, config, where it came from)`` from the Hydra file or the flags; None if neither."""
+        if self.trainer_config is not None:
+            if len(self.missing) < 2:
+                raise click.UsageError("give either --trainer-config or --train-batch-size/--num-warmup-batches")
+            from tqmon.hydra_config import HydraConfigError, load_trainer_config
+
+            try:
+                mode, from_file = load_trainer_config(self.trainer_config)
+            except HydraConfigError as err:
+                raise click.BadParameter(str(err), param_hint="--trainer-config") from None
+            return mode, from_file, f"file:{self.trainer_config}"
+        if len(self.missing) == 1:
+            raise click.UsageError(f"the trainer config also needs {self.missing[0]}")
+        from_flags = self.config()
+        return None if from_flags is None else (self.trainer_mode, from_flags, "flags")
 
 
 _TRAINER_OPTIONS = (
@@ -141,6 +160,13 @@ _TRAINER_OPTIONS = (
         "--skip-rollout-tq", is_flag=True, help="skip.rollout_tq.enable (disables the warmup).", env="SKIP_ROLLOUT_TQ"
     ),
     option("--filter-groups", is_flag=True, help="algorithm.filter_groups.enable (DAPO).", env="FILTER_GROUPS"),
+    option(
+        "--trainer-config",
+        type=click.Path(exists=True, dir_okay=False, path_type=Path),
+        default=None,
+        help="verl's resolved Hydra config (<run dir>/.hydra/config.yaml): all the knobs above at once.",
+        env="TRAINER_CONFIG",
+    ),
 )
 _TRAINER_PARAMS = tuple(f.name for f in fields(TrainerFlags))
 
@@ -192,7 +218,21 @@ def main() -> None:
     env="LOG",
 )
 @option(
-    "--log-interval", type=float, default=1.0, show_default=True, help="Seconds between log polls.", env="LOG_INTERVAL"
+    "--jsonl",
+    "jsonl",
+    multiple=True,
+    metavar="PATH",
+    help="verl's file-logger metrics (trainer.logger=[...,file], VERL_FILE_LOGGER_PATH): step times, generation "
+    "wait and evictions by reason. Truncated by verl on every restart; repeatable, globs allowed.",
+    env="JSONL",
+)
+@option(
+    "--log-interval",
+    type=float,
+    default=1.0,
+    show_default=True,
+    help="Seconds between polls of the --log and --jsonl files.",
+    env="LOG_INTERVAL",
 )
 @option(
     "--token",
@@ -240,11 +280,61 @@ def main() -> None:
     help="Seconds between checkpoint dir polls.",
     env="CHECKPOINT_INTERVAL",
 )
+@option(
+    "--ray-address",
+    default=None,
+    metavar="ADDR|auto",
+    help="Watch the live TransferQueue of the Ray cluster at ADDR (GCS host:port; 'auto' = the local cluster). "
+    "Read-only: tqmon never calls tq.init/tq.close and creates nothing in the cluster. Default: off.",
+    env="RAY_ADDRESS",
+)
+@option(
+    "--tq-timeout",
+    type=float,
+    default=5.0,
+    show_default=True,
+    help="Hard timeout of every call to Ray and the TQ controller; a lost controller reads down within it.",
+    env="TQ_TIMEOUT",
+)
+@option(
+    "--tq-budget",
+    type=float,
+    default=0.01,
+    show_default=True,
+    help="Largest share of the TQ controller's request thread tqmon's kv_list polls may take (0.01 = 1%%); "
+    "wins over --tq-max-interval.",
+    env="TQ_BUDGET",
+)
+@option(
+    "--tq-min-interval",
+    type=float,
+    default=1.0,
+    show_default=True,
+    help="Fastest poll interval, used for --tq-fast-period seconds after a resume or a new controller.",
+    env="TQ_MIN_INTERVAL",
+)
+@option(
+    "--tq-max-interval",
+    type=float,
+    default=15.0,
+    show_default=True,
+    help="Steady poll interval, unless the budget needs longer.",
+    env="TQ_MAX_INTERVAL",
+)
+@option(
+    "--tq-fast-period",
+    type=float,
+    default=300.0,
+    show_default=True,
+    help="Seconds of fast polling after a resume is detected (when the window matters most).",
+    env="TQ_FAST_PERIOD",
+)
 @trainer_config_options
 def serve(
     listen: str,
     state_dir: Path,
     logs: tuple[str, ...],
+    jsonl: tuple[str, ...],
     log_interval: float,
     token: str | None,
     stale_after: float,
@@ -252,29 +342,39 @@ def serve(
     log_level: str,
     checkpoint_dir: Path | None,
     checkpoint_interval: float,
+    ray_address: str | None,
+    tq_timeout: float,
+    tq_budget: float,
+    tq_min_interval: float,
+    tq_max_interval: float,
+    tq_fast_period: float,
     trainer: TrainerFlags,
 ) -> None:
     """Serve /metrics, /api/v1/status and the trainer event API (POST /api/v1/events).
 
-    The trainer-config flags are optional (a run_started event overrides them); give both
-    --train-batch-size and --num-warmup-batches, or neither.
+    Sources: trainer logs (--log), verl's JSONL metrics (--jsonl), the checkpoint dir (--checkpoint-dir),
+    the live TransferQueue (--ray-address) and events the trainer posts. The trainer config is optional:
+    --trainer-config or both --train-batch-size and --num-warmup-batches; a run_started event overrides either.
     """
     host, port = parse_listen(listen)
-    trainer_config = trainer.config()
-    if trainer_config is None and len(trainer.missing) == 1:
-        raise click.UsageError(f"the trainer config also needs {trainer.missing[0]}")
     config = ServiceConfig(
         host=host,
         port=port,
         state_dir=state_dir,
         log_patterns=tuple(p for item in logs for p in item.split()),
+        jsonl_patterns=tuple(p for item in jsonl for p in item.split()),
         log_interval=log_interval,
         token=token or None,
         stale_after=stale_after,
         max_body_bytes=max_body_bytes,
         checkpoint_dir=checkpoint_dir,
         checkpoint_interval=checkpoint_interval,
-        trainer=None if trainer_config is None else (trainer.trainer_mode, trainer_config),
+        trainer=trainer.resolve(),
+        ray_address=ray_address,
+        tq_timeout=tq_timeout,
+        tq_budget=PollBudget(
+            budget=tq_budget, min_interval=tq_min_interval, max_interval=tq_max_interval, fast_period=tq_fast_period
+        ),
     )
     serve_forever(config, log_level)
 
@@ -325,12 +425,13 @@ def inspect_checkpoint(checkpoint_dir: Path, step: int | None, as_json: bool, tr
     from tqmon.sources.checkpoint import CheckpointError, preflight, read_checkpoint, render, resolve
 
     root, resolved = resolve(checkpoint_dir)
-    config = trainer.config()
+    resolved_config = trainer.resolve()
     try:
         reading = read_checkpoint(root, step if step is not None else resolved, progress=_progressbar)
     except CheckpointError as err:
         raise click.ClickException(str(err)) from None
-    result = preflight(reading, None if config is None else config.warmup_config(trainer.trainer_mode))
+    warmup = None if resolved_config is None else resolved_config[1].warmup_config(resolved_config[0])
+    result = preflight(reading, warmup)
     click.echo(json.dumps(result.to_json(), indent=2) if as_json else render(result))
 
 

@@ -174,7 +174,8 @@ class StepCompleted(_Event):
     type: Literal["step_completed"] = "step_completed"
     global_step: Count
     evicted_prompt_groups: dict[Literal["failure", "stale", "filtered"], Count] = Field(default_factory=dict)
-    generation_wait_seconds: NonNegativeFloat | None = None
+    generation_wait_seconds: NonNegativeFloat | None = Field(None, description="verl timing_s/gen")
+    step_seconds: NonNegativeFloat | None = Field(None, description="verl timing_s/step: the step's duration")
 
 
 class CheckpointSaved(_Event):

@@ -130,6 +130,7 @@ def create_app(service: Service) -> FastAPI:
             "trainer_step": snapshot.trainer_step,
             "trainer_last_event": snapshot.trainer_last_event,
             "checkpoint": None if snapshot.checkpoint is None else asdict(snapshot.checkpoint),
+            "tq": None if snapshot.tq is None else asdict(snapshot.tq),
             "sources": [asdict(s) | {"up": s.up(now)} for s in snapshot.sources],
             "resumes_total": snapshot.resumes_total,
             "records_total": snapshot.records_total,

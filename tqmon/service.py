@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import ipaddress
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from prometheus_client import CollectorRegistry
@@ -12,7 +12,8 @@ from prometheus_client import CollectorRegistry
 from tqmon.events import TrainerConfig
 from tqmon.exporters.prometheus import build_registry
 from tqmon.sources.checkpoint import CheckpointSource
-from tqmon.sources.logfile import LogSource
+from tqmon.sources.logfile import LogSource, parse_jsonl
+from tqmon.sources.tq import ControllerClient, PollBudget, TQSource
 from tqmon.store import StateStore
 from tqmon.tracker import Tracker
 
@@ -39,13 +40,17 @@ class ServiceConfig:
     state_dir: Path = Path("tqmon-state")
     log_patterns: tuple[str, ...] = ()
     log_interval: float = 1.0
+    jsonl_patterns: tuple[str, ...] = ()
     token: str | None = None
     stale_after: float = 300.0
     max_body_bytes: int = 1 << 20
     process_metrics: bool = True
     checkpoint_dir: Path | None = None
     checkpoint_interval: float = 10.0
-    trainer: tuple[str, TrainerConfig] | None = None  # (trainer_mode, config) from flags; run_started overrides
+    trainer: tuple[str, TrainerConfig, str] | None = None  # (trainer_mode, config, origin); run_started overrides
+    ray_address: str | None = None
+    tq_timeout: float = 5.0
+    tq_budget: PollBudget = field(default_factory=PollBudget)
 
     def validate(self) -> None:
         if not is_loopback(self.host) and not self.token:
@@ -59,6 +64,12 @@ class ServiceConfig:
             raise ConfigError(f"--log-interval must be positive, got {self.log_interval}")
         if self.checkpoint_interval <= 0:
             raise ConfigError(f"--checkpoint-interval must be positive, got {self.checkpoint_interval}")
+        if self.tq_timeout <= 0:
+            raise ConfigError(f"--tq-timeout must be positive, got {self.tq_timeout}")
+        try:
+            self.tq_budget.validate()
+        except ValueError as err:
+            raise ConfigError(str(err)) from None
 
 
 class Service:
@@ -80,24 +91,41 @@ class Service:
             if config.log_patterns
             else None
         )
+        self.jsonl_source = (
+            LogSource(
+                list(config.jsonl_patterns),
+                self.tracker,
+                interval=config.log_interval,
+                source="jsonl",
+                parse=parse_jsonl,
+            )
+            if config.jsonl_patterns
+            else None
+        )
         self.checkpoint_source = (
             CheckpointSource(config.checkpoint_dir, self.tracker, interval=config.checkpoint_interval)
             if config.checkpoint_dir is not None
+            else None
+        )
+        self.tq_source = (
+            TQSource(self.tracker, ControllerClient(config.ray_address, config.tq_timeout), config.tq_budget)
+            if config.ray_address
             else None
         )
         self.registry: CollectorRegistry = build_registry(
             lambda: self.tracker.snapshot, process_metrics=config.process_metrics
         )
 
+    @property
+    def sources(self) -> list[LogSource | CheckpointSource | TQSource]:
+        candidates = (self.log_source, self.jsonl_source, self.checkpoint_source, self.tq_source)
+        return [source for source in candidates if source is not None]
+
     def start(self) -> None:
-        if self.log_source is not None:
-            self.log_source.start()
-        if self.checkpoint_source is not None:
-            self.checkpoint_source.start()
+        for source in self.sources:
+            source.start()
 
     def stop(self) -> None:
-        if self.log_source is not None:
-            self.log_source.stop()
-        if self.checkpoint_source is not None:
-            self.checkpoint_source.stop()
+        for source in self.sources:
+            source.stop()
         self.store.close()

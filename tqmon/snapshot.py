@@ -89,10 +89,23 @@ class WindowView:
     orphan_trajectories: int | None = None
     age_buckets: tuple[tuple[float, int], ...] | None = None  # cumulative (le, count), +Inf last
     age_sum: float | None = None
+    max_age: float | None = None  # how long it stays fresh, if longer than --stale-after (a slow poller)
 
     @property
     def total(self) -> int:
         return sum(self.by_status.values())
+
+
+@dataclass(frozen=True, slots=True)
+class TQPollView:
+    """The live TransferQueue poller: which controller it watches and what its polling costs."""
+
+    controller_id: str | None  # None until a controller was found
+    epochs: int  # controllers seen for this run; a new id is a new epoch (a trainer restart)
+    interval: float  # poll interval in force
+    busy_ratio: float | None  # estimated share of the controller's request thread tqmon uses
+    reply_keys: int | None  # keys in the last kv_list reply; None when the last poll failed
+    fast_until: float | None  # polling at the fast end until then (after a resume)
 
 
 @dataclass(frozen=True, slots=True)
@@ -116,16 +129,18 @@ class Snapshot:
     windows: tuple[WindowView, ...]
     trainer_step: int | None
     trainer_last_event: float | None
+    trainer_step_seconds: float | None  # mean duration of the last steps (verl timing_s/step)
     resumes_total: int
     records_total: int
     last_record: ResumeRecord | None
     checkpoint: CheckpointView | None
+    tq: TQPollView | None
     sources: tuple[SourceHealth, ...]
     counters: Mapping[str, Mapping[tuple[str, ...], int]]  # catalog name -> label values -> value
 
     def fresh_windows(self, now: float) -> tuple[WindowView, ...]:
         """Windows observed within ``stale_after``: frozen data is never served as fresh."""
-        return tuple(w for w in self.windows if now - w.observed_at <= self.stale_after)
+        return tuple(w for w in self.windows if now - w.observed_at <= max(self.stale_after, w.max_age or 0.0))
 
     def window_status(self, now: float) -> str:
         train = next((w for w in self.fresh_windows(now) if w.partition == "train"), None)

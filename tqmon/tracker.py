@@ -8,9 +8,10 @@ from __future__ import annotations
 
 import threading
 import time
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from statistics import fmean
 from typing import Any
 
 from tqmon import __version__
@@ -36,6 +37,7 @@ from tqmon.snapshot import (
     RunInfo,
     Snapshot,
     SourceHealth,
+    TQPollView,
     WindowView,
 )
 from tqmon.store import StateStore
@@ -47,10 +49,16 @@ from tqmon.warmup import (
     decide_warmup,
     is_legacy_growth,
     is_legacy_unconditional,
+    is_legacy_version,
     known_doomed,
     legacy_submitted,
     target_window,
 )
+
+EPOCH_CURSOR = "tq:controller"
+STEP_RATE_WINDOW = 10  # steps averaged for the step duration
+KEPT_COMPOSITIONS = 16  # checkpoint compositions kept for matching resumes to what they loaded
+RESTART_CLAIM_SECONDS = 600.0  # a restart hint and a start reported this close together are one restart
 
 _SKIP_STATES = {
     "sync_mode": WarmupState.SYNC_MODE,
@@ -105,14 +113,18 @@ def derive_record(
     obs: _Observed,
     config: WarmupConfig | None,
     previous_restored: int | None,
+    verl_version: str = "",
 ) -> ResumeRecord:
-    """Compute T, M expected, O, doomed, the deficit and the warmup state from what was observed."""
+    """Compute T, M expected, O, doomed, the deficit and the warmup state from what was observed.
+
+    ``verl_version`` (from ``run_started``) names the semantics when no log line or count betrays them.
+    """
     restored = obs.restored
     if restored is None and config is not None and config.trainer_mode == "sync":
         restored = 0
     if restored is None and obs.resumed is False:
         restored = 0  # a fresh start restores nothing
-    target = obs.target if obs.target is not None else (target_window(config) if config else None)
+    target = obs.target if obs.target is not None else window_target(config)
 
     predicted = decide_warmup(config, restored, resumed=obs.resumed) if config and restored is not None else None
     expected: int | None = None
@@ -122,7 +134,9 @@ def derive_record(
         expected = max(0, target - restored)
 
     submitted = obs.submitted
-    semantics = "verl-0.9.1"
+    if submitted is None and predicted is not None and not predicted.logged and not obs.legacy_batches:
+        submitted = predicted.submitted  # verl logs nothing when the warmup is off: the config is the evidence
+    semantics = "verl-0.9.0" if is_legacy_version(verl_version) else "verl-0.9.1"
     if obs.legacy_batches is not None:
         semantics = "verl-0.9.0"
         submitted = legacy_submitted(config, obs.legacy_batches) if config else None
@@ -222,6 +236,32 @@ def _doomed(obs: _Observed, config: WarmupConfig | None, restored: int | None) -
     return known_doomed(config, status_counts(obs.by_status, obs.groups), groups, obs.checkpoint_step or 0)
 
 
+def window_target(config: WarmupConfig | None) -> int | None:
+    """T, or None where no window is kept (``skip.rollout_tq`` replays cached rollouts instead)."""
+    if config is None or config.skip_rollout_tq:
+        return None
+    return target_window(config)
+
+
+def with_checkpoint(obs: _Observed, saved: tuple[CheckpointSaved, str, float] | None) -> _Observed:
+    """A resume whose log gave only a total (or nothing: verl 0.9.0), completed from the checkpoint it loaded.
+
+    ``tq.load_checkpoint(global_step_N)`` restores exactly that checkpoint's composition, so when the
+    checkpoint source read it (and the totals agree), R's split by status and step is known too.
+    """
+    if saved is None or not obs.resumed or obs.by_status is not None or obs.groups is not None:
+        return obs
+    event, source, at = saved
+    statuses = event.status_counts()
+    if statuses is None or event.step != obs.checkpoint_step:
+        return obs
+    total = sum(statuses.values())
+    if obs.restored not in (None, total):
+        return obs  # the trainer restored something else: the log's total stands
+    evidence = Evidence(source, event.type, event.id, at, f"composition of global_step_{event.step}: {statuses}")
+    return replace(obs, restored=total, by_status=statuses, groups=event.groups, evidence=[*obs.evidence, evidence])
+
+
 def checkpoint_doomed(event: CheckpointSaved, config: WarmupConfig | None) -> dict[str, int] | None:
     """Doomed groups of a resume from this checkpoint; None when the checkpoint's composition is unknown."""
     statuses = event.status_counts()
@@ -239,7 +279,7 @@ class Tracker:
         store: StateStore,
         *,
         stale_after: float = 300.0,
-        flag_config: tuple[str, TrainerConfig] | None = None,
+        flag_config: tuple[str, TrainerConfig, str] | None = None,
         clock: Callable[[], float] = time.time,
     ) -> None:
         self._store = store
@@ -257,6 +297,10 @@ class Tracker:
         self._checkpoint: CheckpointView | None = None
         self._checkpoint_saved: tuple[CheckpointSaved, str] | None = None  # the event behind it
         self._health: dict[str, _Health] = {}
+        self._tq: TQPollView | None = None
+        self._restart_hint: Evidence | None = None  # a restart sign no start has claimed yet
+        self._step_seconds: deque[float] = deque(maxlen=STEP_RATE_WINDOW)
+        self._compositions: dict[int, tuple[CheckpointSaved, str, float]] = {}  # step -> a checkpoint's composition
         self._counters: dict[str, Counter[tuple[str, ...]]] = {
             name: Counter()
             for name in (
@@ -266,9 +310,9 @@ class Tracker:
                 "tqmon_source_errors_total",
             )
         }
-        if flag_config is not None:
-            mode, cfg = flag_config
-            self._set_run(RunInfo("", mode, "", cfg.model_dump(), "flags"), cfg)
+        if flag_config is not None:  # (trainer_mode, config, where it came from); run_started overrides it
+            mode, cfg, origin = flag_config
+            self._set_run(RunInfo("", mode, "", cfg.model_dump(), origin), cfg)
         self._snapshot = self._build()
 
     # ---------------------------------------------------------------- reading
@@ -343,9 +387,12 @@ class Tracker:
             self._health.setdefault(source, _Health(stale_after, ok=stale_after is None))
             self._publish()
 
-    def source_succeeded(self, source: str, duration: float) -> None:
+    def source_succeeded(self, source: str, duration: float, *, stale_after: float | None = None) -> None:
+        """``stale_after`` moves the source's staleness horizon (a poller whose interval adapts)."""
         with self._lock:
             health = self._health[source]
+            if stale_after is not None:
+                health.stale_after = stale_after
             health.ok, health.last_success, health.last_duration, health.last_error = (
                 True,
                 self._clock(),
@@ -367,6 +414,56 @@ class Tracker:
         """Count bad records (a malformed line) without marking the source down."""
         with self._lock:
             self._count("tqmon_source_errors_total", (source, reason), count)
+            self._publish()
+
+    def observe_windows(self, windows: Sequence[WindowView], poll: TQPollView) -> None:
+        """Live windows from a poll; not persisted (the next poll supersedes them)."""
+        with self._lock:
+            for window in windows:
+                self._windows[window.partition] = window
+            self._tq = poll
+            self._publish()
+
+    def drop_windows(self, source: str, poll: TQPollView | None = None) -> None:
+        """Forget a source's windows at once: a lost controller's last reply must not be served as fresh."""
+        with self._lock:
+            self._windows = {p: w for p, w in self._windows.items() if w.source != source}
+            if poll is not None:
+                self._tq = poll
+            self._publish()
+
+    def controller_epochs(self) -> int:
+        seen = self._store.cursor(EPOCH_CURSOR)
+        return int(seen["epochs"]) if isinstance(seen, dict) else 0
+
+    def controller_epoch(self, controller_id: str, detail: str) -> int:
+        """Record the TQ controller now watched; returns the epoch count (persisted across tqmon restarts).
+
+        A controller with a new id means the trainer restarted: evidence for the start it belongs to.
+        """
+        with self._lock:
+            seen = self._store.cursor(EPOCH_CURSOR)
+            last_id, epochs = (seen["id"], int(seen["epochs"])) if isinstance(seen, dict) else (None, 0)
+            if controller_id == last_id:
+                return epochs
+            epochs += 1
+            self._store.commit((), cursors=[(EPOCH_CURSOR, {"id": controller_id, "epochs": epochs})])
+            self.restart_hint(Evidence("tq", "controller_started", controller_id, self._clock(), detail))
+            return epochs
+
+    def restart_hint(self, evidence: Evidence) -> None:
+        """A sign of a trainer restart that is not itself a verl event (a new TQ controller, a truncated JSONL).
+
+        The open start gets it as evidence, or else the next one to open within
+        :data:`RESTART_CLAIM_SECONDS`, next to what the log and events say.
+        """
+        with self._lock:
+            obs = self._observed
+            if obs is not None and not obs.sealed and abs(evidence.at - obs.started_at) <= RESTART_CLAIM_SECONDS:
+                obs.evidence.append(evidence)
+                self._rederive()
+            else:
+                self._restart_hint = evidence
             self._publish()
 
     # ---------------------------------------------------------------- folding
@@ -397,31 +494,52 @@ class Tracker:
             case TrainingStarted():
                 resumed = event.resumed_from_step is not None
                 obs = self._attach(
-                    event.resumed_from_step, resumed, at, lambda o: o.resumed == resumed and not o.decided
+                    event.resumed_from_step,
+                    resumed,
+                    at,
+                    lambda o: o.resumed == resumed and (not o.decided or _corroborates(o, source, event.type)),
                 )
                 if event.resumed_from_step is not None:
                     self._trainer_step = event.resumed_from_step
             case CheckpointRestored():
                 restored = event.restored_prompt_groups
-                obs = self._attach(event.step, True, at, lambda o: not o.decided and o.restored in (None, restored))
+                obs = self._attach(
+                    event.step,
+                    True,
+                    at,
+                    lambda o: (
+                        o.restored in (None, restored) and (not o.decided or _corroborates(o, source, event.type))
+                    ),
+                )
                 obs.restored = restored
                 obs.by_status = event.status_counts() or obs.by_status
                 obs.groups = event.groups or obs.groups
             case InflightReissued():
                 step = None if event.step is None else max(0, event.step - 1)
-                obs = self._attach(step, True, at, lambda o: o.reissued is None)
+                obs = self._attach(step, True, at, lambda o: o.reissued is None or _corroborates(o, source, event.type))
                 obs.reissued, obs.cleared = event.reissued_prompt_groups, event.cleared_trajectories
             case WarmupDecided():
-                obs = self._attach(None, bool(event.restored_prompt_groups), at, lambda o: not o.decided)
+                obs = self._attach(
+                    None,
+                    bool(event.restored_prompt_groups),
+                    at,
+                    lambda o: not o.decided or _corroborates(o, source, event.type),
+                )
                 if event.target_prompt_groups is not None:
                     obs.target = event.target_prompt_groups
                 if event.restored_prompt_groups is not None and obs.restored is None:
                     obs.restored = event.restored_prompt_groups
-                obs.submitted = event.submitted_prompt_groups
-                obs.skip_reason = event.skip_reason
-                obs.legacy_batches = event.legacy_warmup_batches
+                # A second source's report of the same decision adds what it knows and keeps the rest.
+                if event.submitted_prompt_groups is not None:
+                    obs.submitted = event.submitted_prompt_groups
+                if event.skip_reason is not None:
+                    obs.skip_reason = event.skip_reason
+                if event.legacy_warmup_batches is not None:
+                    obs.legacy_batches = event.legacy_warmup_batches
             case StepCompleted():
                 self._trainer_step = event.global_step
+                if event.step_seconds is not None:
+                    self._step_seconds.append(event.step_seconds)
                 obs = self._observed
                 if obs is not None and not obs.sealed:
                     evicted = _str_keys(event.evicted_prompt_groups)
@@ -434,10 +552,21 @@ class Tracker:
                     self._trainer_step = event.step
                 current = self._checkpoint
                 bare = event.status_counts() is None
-                if not (bare and current is not None and current.step == event.step and current.by_status):
-                    self._checkpoint_saved = (event, source)  # a bare log line never hides a read composition
+                if not bare:
+                    self._compositions[event.step] = (event, source, at)
+                    while len(self._compositions) > KEPT_COMPOSITIONS:
+                        del self._compositions[min(self._compositions)]
+                # Never step back, and a bare log line never hides a composition read for the same step.
+                older = current is not None and event.step < current.step
+                if not older and not (
+                    bare and current is not None and current.step == event.step and current.by_status
+                ):
+                    self._checkpoint_saved = (event, source)
                     self._derive_checkpoint()
-                obs = None
+                obs = self._observed if not bare and self._observed is not None else None
+                if obs is not None:
+                    self._rederive()  # the open start may have resumed from this very checkpoint
+                    obs = None
             case WindowObserved():
                 self._windows[event.partition] = WindowView(event.partition, source, at, _str_keys(event.by_status))
                 obs = None
@@ -466,6 +595,10 @@ class Tracker:
             run_id=self._run.run_id if self._run else "",
             checkpoint_step=checkpoint_step,
         )
+        claim = self._restart_hint
+        if claim is not None and abs(at - claim.at) <= RESTART_CLAIM_SECONDS:
+            new.evidence.append(claim)
+        self._restart_hint = None
         self._observed = new
         self._records.append(self._derive(new))
         self._resumes += resumed
@@ -485,7 +618,9 @@ class Tracker:
 
     def _derive(self, obs: _Observed) -> ResumeRecord:
         previous = self._records[obs.index - 1].restored if obs.index > 0 else None
-        return derive_record(obs, self._warmup_config, previous)
+        saved = self._compositions.get(obs.checkpoint_step) if obs.checkpoint_step is not None else None
+        completed = with_checkpoint(obs, saved)
+        return derive_record(completed, self._warmup_config, previous, self._run.verl_version if self._run else "")
 
     def _rederive(self) -> None:
         if self._observed is not None:
@@ -497,9 +632,7 @@ class Tracker:
     def _build(self) -> Snapshot:
         last = self._records[-1] if self._records else None
         config = self._warmup_config
-        target = last.target if last is not None and last.target is not None else None
-        if target is None and config is not None:
-            target = target_window(config)
+        target = last.target if last is not None and last.target is not None else window_target(config)
         return Snapshot(
             built_at=self._clock(),
             version=__version__,
@@ -509,16 +642,25 @@ class Tracker:
             windows=tuple(self._windows.values()),
             trainer_step=self._trainer_step,
             trainer_last_event=self._trainer_last_event,
+            trainer_step_seconds=fmean(self._step_seconds) if self._step_seconds else None,
             resumes_total=self._resumes,
             records_total=len(self._records),
             last_record=last,
             checkpoint=self._checkpoint,
+            tq=self._tq,
             sources=tuple(
                 SourceHealth(name, h.ok, h.last_success, h.last_duration, h.last_error, h.stale_after)
                 for name, h in sorted(self._health.items())
             ),
             counters={name: dict(values) for name, values in self._counters.items()},
         )
+
+
+def _corroborates(obs: _Observed, source: str, event_type: str) -> bool:
+    """The same fact through a second door (the log and the verl plugin): another source already reported
+    it for this start and this one has not, so it belongs to this start rather than opening a new one."""
+    reporters = {evidence.source for evidence in obs.evidence if evidence.event_type == event_type}
+    return bool(reporters) and source not in reporters
 
 
 def _str_keys(counts: Mapping[Any, int]) -> dict[str, int]:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import enum
 import math
+import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
@@ -112,6 +113,12 @@ def legacy_submitted(config: WarmupConfig, warmup_batches: int) -> int:
 def is_legacy_unconditional(restored: int, target: int, submitted: int) -> bool:
     """A top-up that ignored a non-empty restore: the verl 0.9.0 signature (the window grows by T)."""
     return restored > 0 and target > 0 and submitted == target and submitted > max(0, target - restored)
+
+
+def is_legacy_version(verl_version: str) -> bool:
+    """A verl release before 0.9.1, whose warmup ignored the restore ("" or unparsable: not known to be)."""
+    match = re.match(r"(\d+)\.(\d+)\.(\d+)", verl_version)
+    return match is not None and tuple(map(int, match.groups())) < (0, 9, 1)
 
 
 def is_legacy_growth(previous_restored: int, restored: int, target: int) -> bool:

@@ -79,6 +79,7 @@ def metric_values(snapshot: Snapshot, now: float) -> Iterator[tuple[MetricSpec, 
         "tqmon_window_status": _stateset(BY_NAME["tqmon_window_status"], snapshot.window_status(now)),
         "tqmon_resumes_total": [Series((), snapshot.resumes_total)],
         "tqmon_trainer_global_step": _opt(snapshot.trainer_step),
+        "tqmon_trainer_step_duration_seconds": _opt(snapshot.trainer_step_seconds),
         "tqmon_trainer_last_event_timestamp_seconds": _opt(snapshot.trainer_last_event),
         "tqmon_build_info": [Series((snapshot.version,), 1)],
         "tqmon_source_up": [Series((s.source,), float(s.up(now))) for s in snapshot.sources],
@@ -106,6 +107,10 @@ def metric_values(snapshot: Snapshot, now: float) -> Iterator[tuple[MetricSpec, 
             "tqmon_resume_over_restored_prompt_groups": _opt(record.over_restored),
             "tqmon_resume_doomed_prompt_groups": [Series((r,), n) for r, n in (record.doomed or {}).items()],
             "tqmon_resume_under_submitted_prompt_groups": _opt(record.under_submitted),
+            "tqmon_resume_first_step_evicted_prompt_groups": [
+                Series((r,), n) for r, n in (record.first_step_evictions or {}).items()
+            ],
+            "tqmon_resume_first_step_generation_wait_seconds": _opt(record.first_step_generation_wait_seconds),
             "tqmon_resume_warmup_state": _stateset(BY_NAME["tqmon_resume_warmup_state"], record.warmup_state),
         }
     if checkpoint is not None:
@@ -114,6 +119,14 @@ def metric_values(snapshot: Snapshot, now: float) -> Iterator[tuple[MetricSpec, 
             "tqmon_checkpoint_prompt_groups": _by_status(checkpoint.by_status) if checkpoint.by_status else [],
             "tqmon_checkpoint_doomed_prompt_groups": [Series((r,), n) for r, n in (checkpoint.doomed or {}).items()],
             "tqmon_checkpoint_orphan_trajectories": _opt(checkpoint.orphan_trajectories),
+        }
+    if snapshot.tq is not None:
+        tq = snapshot.tq
+        values |= {
+            "tqmon_tq_poll_interval_seconds": [Series((), tq.interval)],
+            "tqmon_tq_controller_busy_ratio": _opt(tq.busy_ratio),
+            "tqmon_tq_reply_keys": _opt(tq.reply_keys),
+            "tqmon_tq_controller_epochs_total": [Series((), tq.epochs)],
         }
     for spec in BY_NAME.values():
         if spec.type is MetricType.COUNTER and spec.labels:

@@ -23,20 +23,18 @@ import pickle
 import re
 import threading
 import time
-from collections import Counter
 from collections.abc import Callable, Mapping
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any, ClassVar, Protocol
+from typing import Any, ClassVar
 
-from tqmon.events import CheckpointSaved, GroupCount
+from tqmon.composition import EMPTY, Composition, CompositionError, Progress, compose
+from tqmon.events import CheckpointSaved
 from tqmon.tracker import Tracker, checkpoint_doomed
 from tqmon.warmup import (
     DOOM_REASONS,
-    INFLIGHT_STATUSES,
-    PROMPT_STATUSES,
     WarmupConfig,
     WarmupState,
     decide_warmup,
@@ -52,7 +50,6 @@ CONTROLLER_FILE = "controller_state.pkl"
 TRAIN = "train"
 # A controller_state.pkl at least this big gets progress bars in ``tqmon inspect`` (~125 bytes per key).
 LARGE_CHECKPOINT_BYTES = 4 << 20
-PROGRESS_EVERY = 10_000  # keys between progress updates
 log = logging.getLogger(__name__)
 
 
@@ -217,10 +214,6 @@ def restricted_load(handle: io.BufferedReader | _ProgressReader) -> Any:
 # ---------------------------------------------------------------- progress
 
 
-class Progress(Protocol):
-    def update(self, n_steps: int) -> None: ...
-
-
 ProgressFactory = Callable[[str, int], AbstractContextManager[Progress]]
 
 
@@ -254,85 +247,6 @@ class _ProgressReader:
         data = self._raw.readline(size)
         self._progress.update(len(data))
         return data
-
-
-# ---------------------------------------------------------------- composition
-
-
-@dataclass(frozen=True, slots=True)
-class Composition:
-    """Partition ``"train"`` of a checkpoint: what ``tq.load_checkpoint`` would put back."""
-
-    groups: Mapping[tuple[str, int], int]  # (status, global_steps) -> prompt groups
-    trajectories: int  # non-prompt keys
-    orphan_trajectories: int  # trajectory keys whose uid has no prompt key
-    inflight_trajectories: int  # trajectories of pending/running groups: cleared at the re-issue
-
-    @property
-    def restored(self) -> int:
-        """R: every prompt group, any status and any ``global_steps``."""
-        return sum(self.groups.values())
-
-    @property
-    def by_status(self) -> dict[str, int]:
-        counts = dict.fromkeys(PROMPT_STATUSES, 0)
-        for (status, _), count in self.groups.items():
-            counts[status] += count
-        return counts
-
-    @property
-    def reissued(self) -> int:
-        """K: the pending and running groups verl re-issues at step N+1."""
-        return sum(count for (status, _), count in self.groups.items() if status in INFLIGHT_STATUSES)
-
-    def by_age(self, sample_step: int) -> dict[int, int]:
-        """Prompt groups by ``sample_step - global_steps``, youngest first."""
-        ages: Counter[int] = Counter()
-        for (_, global_steps), count in self.groups.items():
-            ages[sample_step - global_steps] += count
-        return dict(sorted(ages.items()))
-
-    def group_counts(self) -> list[GroupCount]:
-        return [
-            GroupCount(status=status, global_steps=steps, count=count)
-            for (status, steps), count in sorted(self.groups.items(), key=lambda item: (item[0][1], item[0][0]))
-        ]
-
-
-def compose(tags: Mapping[str, Any], progress: Progress | None = None) -> Composition:
-    """Classify ``{key: tag}`` (one partition, as ``kv_list`` returns it) like verl 0.9.1 does.
-
-    A key is a prompt group iff ``tag.get("is_prompt", False)``; a trajectory key is ``{uid}_{session}_{i}``
-    and belongs to prompt ``uid = key.split("_", 1)[0]``.
-    """
-    progress = progress or _NoProgress()
-    groups: Counter[tuple[str, int]] = Counter()
-    prompts: dict[str, str] = {}  # uid -> status
-    trajectory_keys: list[str] = []
-    for n, (key, tag) in enumerate(tags.items(), 1):
-        if not isinstance(tag, Mapping):
-            raise CheckpointError("invalid_data", f"tag of key {key!r} is {type(tag).__name__}, not a dict")
-        if tag.get("is_prompt", False):
-            status, steps = tag.get("status"), tag.get("global_steps")
-            if status not in PROMPT_STATUSES:
-                raise CheckpointError("invalid_data", f"prompt key {key!r} has status {status!r}")
-            if not isinstance(steps, int) or isinstance(steps, bool) or steps < 0:
-                raise CheckpointError("invalid_data", f"prompt key {key!r} has global_steps {steps!r}")
-            groups[(status, steps)] += 1
-            prompts[key] = status
-        else:
-            trajectory_keys.append(key)
-        if n % PROGRESS_EVERY == 0:
-            progress.update(PROGRESS_EVERY)
-    progress.update(len(tags) % PROGRESS_EVERY)
-    orphans = inflight = 0
-    for key in trajectory_keys:
-        status = prompts.get(key.split("_", 1)[0])
-        if status is None:
-            orphans += 1
-        elif status in INFLIGHT_STATUSES:
-            inflight += 1
-    return Composition(dict(groups), len(trajectory_keys), orphans, inflight)
 
 
 def partition_tags(state: object, partition_id: str = TRAIN) -> dict[str, Any]:
@@ -491,7 +405,7 @@ def read_checkpoint(
     if tq_dir is None:
         # verl restores TQ only if global_step_N/transfer_queue exists (it never does in sync mode).
         saved_at = _stat(step_dir).st_mtime_ns
-        return CheckpointReading(root, step, None, Composition({}, 0, 0, 0), saved_at_ns=saved_at)
+        return CheckpointReading(root, step, None, EMPTY, saved_at_ns=saved_at)
     storage_saved, user = read_metadata(tq_dir, step)
     path = tq_dir / CONTROLLER_FILE
     try:
@@ -513,6 +427,8 @@ def read_checkpoint(
             composition = compose(tags, bar)
     except CheckpointError as err:
         raise CheckpointError(err.reason, f"{path}: {err}") from None
+    except CompositionError as err:
+        raise CheckpointError("invalid_data", f"{path}: {err}") from None
     return CheckpointReading(root, step, tq_dir, composition, user, storage_saved, st.st_mtime_ns, st.st_size)
 
 

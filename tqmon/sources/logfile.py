@@ -1,4 +1,4 @@
-"""``--log``: follows verl trainer logs like ``tail -F`` and feeds their lines to the tracker.
+"""``--log`` and ``--jsonl``: follow verl's logs like ``tail -F`` and feed their lines to the tracker.
 
 Follows truncation and rotation; the byte offset of the last complete line commits together with
 the events it produced, so a restarted tqmon neither skips nor re-applies a line.
@@ -12,15 +12,18 @@ import os
 import threading
 import time
 from collections import Counter
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import BinaryIO
 
 from tqmon.events import Event
-from tqmon.sources.logparse import parse_line
+from tqmon.snapshot import Evidence
+from tqmon.sources.jsonlparse import parse_jsonl_line
+from tqmon.sources.logparse import ParsedLine, parse_line
 from tqmon.tracker import Tracker
 
 SOURCE = "log"
+LineParser = Callable[[str, str], ParsedLine]  # (line, fallback id) -> what it says
 CHUNK_BYTES = 1 << 20
 BATCH_LINES = 10_000  # lines per transaction when catching up on a long log
 log = logging.getLogger(__name__)
@@ -53,13 +56,15 @@ def read_lines(handle: BinaryIO, offset: int, *, final: bool = False) -> Iterato
         yield position + len(pending), pending
 
 
-def parse_chunk(lines: Iterable[tuple[int, bytes]], file_key: str) -> tuple[list[Event], Counter[str], list[str]]:
+def parse_chunk(
+    lines: Iterable[tuple[int, bytes]], file_key: str, parse: LineParser = parse_line
+) -> tuple[list[Event], Counter[str], list[str]]:
     """Events, outcome counts and error messages for a run of raw lines."""
     events: list[Event] = []
     outcomes: Counter[str] = Counter()
     errors: list[str] = []
     for end, raw in lines:
-        parsed = parse_line(raw.decode("utf-8", errors="replace"), f"log:{file_key}:{end}")
+        parsed = parse(raw.decode("utf-8", errors="replace"), f"log:{file_key}:{end}")
         outcomes[parsed.outcome] += 1
         if parsed.event is not None:
             events.append(parsed.event)
@@ -79,17 +84,36 @@ def ingest_file(path: str, tracker: Tracker) -> int:
     return len(errors)
 
 
-class LogSource:
-    """Polls its globs every ``interval`` seconds on a daemon thread."""
+def parse_jsonl(line: str, _fallback_id: str) -> ParsedLine:
+    """verl's JSONL lines carry no timestamp but are unique by content: their ids come from it."""
+    return parse_jsonl_line(line)
 
-    def __init__(self, patterns: list[str], tracker: Tracker, *, interval: float = 1.0) -> None:
+
+class LogSource:
+    """Polls its globs every ``interval`` seconds on a daemon thread.
+
+    The same tailer serves the trainer log (``source="log"``) and verl's JSONL metrics file
+    (``source="jsonl"``, which verl truncates on every restart: a truncation is read again from the start).
+    """
+
+    def __init__(
+        self,
+        patterns: list[str],
+        tracker: Tracker,
+        *,
+        interval: float = 1.0,
+        source: str = SOURCE,
+        parse: LineParser = parse_line,
+    ) -> None:
         self.patterns = patterns
         self.tracker = tracker
         self.interval = interval
+        self.source = source
+        self.parse = parse
         self._files: dict[str, _Followed] = {}
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="tqmon-log", daemon=True)
-        tracker.register_source(SOURCE, stale_after=max(30.0, 10 * interval))
+        self._thread = threading.Thread(target=self._run, name=f"tqmon-{source}", daemon=True)
+        tracker.register_source(source, stale_after=max(30.0, 10 * interval))
 
     def start(self) -> None:
         self._thread.start()
@@ -106,8 +130,8 @@ class LogSource:
             try:
                 self.poll()
             except Exception as err:  # the thread must outlive any one bad poll
-                log.exception("log poll failed")
-                self.tracker.source_failed(SOURCE, "read_error", f"poll failed: {err}")
+                log.exception("%s poll failed", self.source)
+                self.tracker.source_failed(self.source, "read_error", f"poll failed: {err}")
             self._stop.wait(self.interval)
 
     def poll(self) -> None:
@@ -115,7 +139,7 @@ class LogSource:
         started = time.monotonic()
         paths = sorted({p for pattern in self.patterns for p in glob.glob(pattern) if os.path.isfile(p)})
         if not paths:
-            self.tracker.source_failed(SOURCE, "unavailable", f"no file matches {', '.join(self.patterns)}")
+            self.tracker.source_failed(self.source, "unavailable", f"no file matches {', '.join(self.patterns)}")
             return
         failures = []
         for path in paths:
@@ -125,15 +149,15 @@ class LogSource:
                 failures.append(f"{path}: {err.strerror or err}")
         duration = time.monotonic() - started
         if failures:
-            self.tracker.source_failed(SOURCE, "read_error", "; ".join(failures), duration=duration)
+            self.tracker.source_failed(self.source, "read_error", "; ".join(failures), duration=duration)
         else:
-            self.tracker.source_succeeded(SOURCE, duration)
+            self.tracker.source_succeeded(self.source, duration)
 
     def _open(self, path: str) -> _Followed:
         handle = open(path, "rb")  # noqa: SIM115 - kept open across polls, closed on rotation/stop
         st = os.fstat(handle.fileno())
         inode = (st.st_dev, st.st_ino)
-        cursor = self.tracker.cursor(_cursor_key(path))
+        cursor = self.tracker.cursor(self._cursor_key(path))
         offset = generation = 0
         if isinstance(cursor, dict) and tuple(cursor.get("inode", ())) == inode:
             generation = int(cursor.get("generation", 0))
@@ -156,9 +180,11 @@ class LogSource:
             followed = self._files[path] = self._open(path)
             self._drain(followed)
         elif st.st_size < followed.offset:
-            log.info("%s was truncated; reading it again from the start", path)
+            log.info("%s was truncated (a trainer restart?); reading it again from the start", path)
             followed.offset = 0
             followed.generation += 1
+            detail = f"{path} truncated (generation {followed.generation}): verl reopens it on a restart"
+            self.tracker.restart_hint(Evidence(self.source, "file_truncated", path, time.time(), detail))
             self._drain(followed)
 
     def _drain(self, followed: _Followed) -> None:
@@ -175,15 +201,19 @@ class LogSource:
         file_key = f"{followed.inode[0]}-{followed.inode[1]}"
         if followed.generation:
             file_key += f".{followed.generation}"
-        events, outcomes, errors = parse_chunk(lines, file_key)
+        events, outcomes, errors = parse_chunk(lines, file_key, self.parse)
         followed.offset = lines[-1][0]
         cursor = {"inode": list(followed.inode), "offset": followed.offset, "generation": followed.generation}
-        self.tracker.ingest(events, SOURCE, cursors=[(_cursor_key(followed.path), cursor)], log_lines=outcomes)
+        self.tracker.ingest(
+            events,
+            self.source,
+            cursors=[(self._cursor_key(followed.path), cursor)],
+            log_lines=outcomes if self.source == SOURCE else None,  # tqmon_log_lines_total is the trainer log's
+        )
         if errors:
-            self.tracker.source_error(SOURCE, "malformed_line", len(errors))
+            self.tracker.source_error(self.source, "malformed_line", len(errors))
             for message in errors[:5]:
-                log.warning("skipped malformed log line: %s", message)
+                log.warning("skipped malformed %s line: %s", self.source, message)
 
-
-def _cursor_key(path: str) -> str:
-    return f"log:{os.path.abspath(path)}"
+    def _cursor_key(self, path: str) -> str:
+        return f"{self.source}:{os.path.abspath(path)}"

@@ -1,0 +1,463 @@
+"""Every ``tqmon.sim`` scenario end to end: the simulated trainer on a real Ray + TransferQueue, then
+``tqmon serve`` (a real subprocess) on its log and checkpoint dir, checked through ``/metrics``.
+
+The expected numbers are derived by hand below from each scenario's definition, never with tqmon's own
+warmup model. Shared facts (``tqmon/sim/scenarios.py``): B = train_batch_size = 4 and num_warmup_batches = 2
+(T = 8) unless a scenario says otherwise, rollout.n = 2 (a finished group has 2 trajectories, a failed one 1,
+a running one its early session's 1), a checkpoint every 2 steps, preempted after step 3 (step 3 is lost),
+resumed from global_step_2 for one step (two for legacy). Rollout latency: even dataloader indexes end one
+tick after submission, odd ones two (running in between); the trainer ticks once per trained step, after
+the sample and before the checkpoint, and once per replay-buffer poll that finds too few finished groups.
+
+The common fresh-start trace (indexes; g = the tag's global_steps):
+    step 1: warmup 0-7 + batch 8-11 (g1), all pending → poll ticks: even finished, odd running;
+            samples 0,2,4,6; the training tick finishes the odd ones.
+    step 2: batch 12-15 (g2); samples 1,3,5,7 (oldest g, then index); the tick finishes 12,14.
+    global_step_2 holds 8,9,10,11 (g1) and 12,14 (g2) finished, 13,15 (g2) running = R 8, K 2, and the
+    trajectories of the step-2 batch 1,3,5,7 (8 orphans; nothing ever clears them after a resume).
+
+A log alone gives R only as a total; tqmon completes the resume record from the composition of the very
+checkpoint it resumed from, read by the checkpoint source (global_step_2 here, the latest when tqmon
+looks, except for legacy, whose latest is global_step_4: its R stays unknown), so R by status, the doomed
+groups and the under-submission are exact.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+from click.testing import CliRunner
+
+from tests.conftest import TqmonProcess, sample_value
+from tqmon.sim.cli import sim
+from tqmon.sim.scenarios import SCENARIOS, Scenario
+from tqmon.sim.trainer import CHECKPOINT_DIR, CONTROLLER, LOG_FILE, SimReport, run_scenario
+
+STATES = (
+    "fresh_start",
+    "topped_up",
+    "skipped_full",
+    "skipped_over_restored",
+    "disabled",
+    "sync_mode",
+    "legacy_unconditional",
+    "unknown",
+)
+STATUSES = ("pending", "running", "finished", "failure")
+REASONS = ("failure", "stale", "filtered")
+Series = dict[str, float | None]  # exact series -> value; None: must be absent
+
+
+def by_status(pending: int, running: int, finished: int, failure: int) -> dict[str, int]:
+    return {"pending": pending, "running": running, "finished": finished, "failure": failure}
+
+
+def doomed(failure: int | None, stale: int | None, filtered: int | None) -> dict[str, int | None]:
+    return {"failure": failure, "stale": stale, "filtered": filtered}
+
+
+@dataclass(frozen=True)
+class Expected:
+    """The resume, as the simulator knows it and as tqmon should export it; and the latest checkpoint."""
+
+    # the simulator's own view of the resume
+    restored: dict[str, int]
+    reissued: int
+    cleared: int
+    target: int | None
+    submitted: int
+    over: int
+    doomed: dict[str, int | None]
+    under: int | None
+    # tqmon's resume record: R (int = a bare log total, dict = by status, None = unknown) and the rest
+    tq_restored: int | dict[str, int] | None
+    tq_reissued: int | None
+    tq_target: int | None
+    tq_expected: int | None
+    tq_submitted: int | None
+    tq_over: int | None
+    tq_doomed: dict[str, int | None]
+    tq_under: int | None
+    state: str
+    # the latest checkpoint
+    checkpoint_step: int
+    checkpoint: dict[str, int]
+    checkpoint_doomed: dict[str, int | None]
+    orphans: int
+    trajectories: int
+
+    def series(self) -> Series:
+        s: Series = {
+            "tqmon_resumes_total": 1,
+            "tqmon_last_resume_checkpoint_step": 2,
+            "tqmon_resume_reissued_prompt_groups": self.tq_reissued,
+            "tqmon_resume_warmup_target_prompt_groups": self.tq_target,
+            "tqmon_window_target_prompt_groups": self.tq_target,
+            "tqmon_resume_warmup_expected_prompt_groups": self.tq_expected,
+            "tqmon_resume_warmup_submitted_prompt_groups": self.tq_submitted,
+            "tqmon_resume_over_restored_prompt_groups": self.tq_over,
+            "tqmon_resume_under_submitted_prompt_groups": self.tq_under,
+            "tqmon_checkpoint_step": self.checkpoint_step,
+            "tqmon_checkpoint_orphan_trajectories": self.orphans,
+        }
+        split = self.tq_restored if isinstance(self.tq_restored, dict) else {}
+        unknown = self.tq_restored if isinstance(self.tq_restored, int) else None
+        s[_series("tqmon_resume_restored_prompt_groups", "status", "unknown")] = unknown
+        for status in STATUSES:
+            s[_series("tqmon_resume_restored_prompt_groups", "status", status)] = split.get(status)
+            s[_series("tqmon_checkpoint_prompt_groups", "status", status)] = self.checkpoint[status]
+        for reason in REASONS:
+            s[_series("tqmon_resume_doomed_prompt_groups", "reason", reason)] = self.tq_doomed[reason]
+            s[_series("tqmon_checkpoint_doomed_prompt_groups", "reason", reason)] = self.checkpoint_doomed[reason]
+        for state in STATES:
+            s[_series("tqmon_resume_warmup_state", "state", state)] = float(state == self.state)
+        return s
+
+
+def _series(name: str, label: str, value: str) -> str:
+    return f'{name}{{{label}="{value}"}}'
+
+
+HEALTHY = by_status(0, 2, 6, 0)  # at global_step_2, with 8 orphans and 6*2 + 2 + 8 = 22 trajectories
+NOTHING_DOOMED = doomed(0, 0, 0)  # no failures; stale needs 3 - g + 1 > 8
+
+EXPECTED: dict[str, Expected] = {
+    # The common trace. Resume: K 2 (13, 15, clearing their early trajectory each), warmup max(0, 8 - 8) = 0.
+    "healthy-resume": Expected(
+        restored=by_status(0, 2, 6, 0),
+        reissued=2,
+        cleared=2,
+        target=8,
+        submitted=0,
+        over=0,
+        doomed=doomed(0, 0, 0),
+        under=0,
+        tq_restored=HEALTHY,
+        tq_reissued=2,
+        tq_target=8,
+        tq_expected=0,
+        tq_submitted=0,
+        tq_over=0,
+        tq_doomed=NOTHING_DOOMED,
+        tq_under=0,
+        state="skipped_full",
+        checkpoint_step=2,
+        checkpoint=HEALTHY,
+        checkpoint_doomed=NOTHING_DOOMED,
+        orphans=8,
+        trajectories=22,
+    ),
+    # The common trace; at resume num_warmup_batches is 2.5: T = floor(2.5 * 4) = 10, M = 10 - 8 = 2.
+    "partial-restore": Expected(
+        restored=by_status(0, 2, 6, 0),
+        reissued=2,
+        cleared=2,
+        target=10,
+        submitted=2,
+        over=0,
+        doomed=doomed(0, 0, 0),
+        under=0,
+        tq_restored=HEALTHY,
+        tq_reissued=2,
+        tq_target=10,
+        tq_expected=2,
+        tq_submitted=2,
+        tq_over=0,
+        tq_doomed=NOTHING_DOOMED,
+        tq_under=0,
+        state="topped_up",
+        checkpoint_step=2,
+        checkpoint=HEALTHY,
+        checkpoint_doomed=NOTHING_DOOMED,
+        orphans=8,
+        trajectories=22,
+    ),
+    # B 8, T 16 before. Step 1: 0-15 + 16-23 pending; a poll tick finishes the 12 even ones, samples 0-14 even;
+    # the tick finishes the odd. Step 2: 24-31; samples 1-15 odd; the tick finishes 24,26,28,30.
+    # global_step_2: 16-23 (g1) + 4 finished, 25,27,29,31 running: R 16, K 4; 8 groups * 2 orphans.
+    # Resume with B 4: T 8, M 0, O 16 - 8 = 8.
+    "over-restore": Expected(
+        restored=by_status(0, 4, 12, 0),
+        reissued=4,
+        cleared=4,
+        target=8,
+        submitted=0,
+        over=8,
+        doomed=doomed(0, 0, 0),
+        under=0,
+        tq_restored=by_status(0, 4, 12, 0),
+        tq_reissued=4,
+        tq_target=8,
+        tq_expected=0,
+        tq_submitted=0,
+        tq_over=8,
+        tq_doomed=NOTHING_DOOMED,
+        tq_under=0,
+        state="skipped_over_restored",
+        checkpoint_step=2,
+        checkpoint=by_status(0, 4, 12, 0),
+        checkpoint_doomed=NOTHING_DOOMED,
+        orphans=16,
+        trajectories=44,  # 12*2 + 4 + 16
+    ),
+    # Every rollout ends in one tick; index % 6 == 5 fails. Step 1: a poll tick ends 0-11, 5 and 11 fail:
+    # evicted, refilled 1:1 by 12,13 (g1); samples 0-3; the tick finishes 12,13. Step 2: 14-17 (g2); samples
+    # 4,6,7,8; the tick finishes 14-16 and fails 17. global_step_2: 9,10,12,13 (g1), 14,15,16 finished,
+    # 17 failed: R 8, nothing in flight (K 0, no log line). The first sample at 3 evicts 17: under 1.
+    # trajectories 7*2 + 1 + 8 orphans.
+    "terminal-only": Expected(
+        restored=by_status(0, 0, 7, 1),
+        reissued=0,
+        cleared=0,
+        target=8,
+        submitted=0,
+        over=0,
+        doomed=doomed(1, 0, 0),
+        under=1,
+        tq_restored=by_status(0, 0, 7, 1),
+        tq_reissued=0,
+        tq_target=8,
+        tq_expected=0,
+        tq_submitted=0,
+        tq_over=0,
+        tq_doomed=doomed(1, 0, 0),
+        tq_under=1,
+        state="skipped_full",
+        checkpoint_step=2,
+        checkpoint=by_status(0, 0, 7, 1),
+        checkpoint_doomed=doomed(1, 0, 0),
+        orphans=8,
+        trajectories=23,
+    ),
+    # Threshold 2; index % 6 == 4 fails. Step 1: a poll tick ends the even ones, 4 and 10 fail: refilled by
+    # 12,13 (g1); samples 0,2,6,8; the tick finishes the odd 1-11 and 12 (13 runs). Step 2: 14-17 (g2);
+    # samples 1,3,5,7; the tick finishes 13, 14, fails 16. global_step_2: 9,11,12,13 (g1) and 14 finished,
+    # 16 failed, 15,17 running: R 8, K 2. At step 3 the g1 groups span 3 - 1 + 1 = 3 > 2: stale 4, failure 1;
+    # under 8 - (8 - 5 + 0) = 5. trajectories 5*2 + 1 + 2 + 8 orphans.
+    "doomed-mix": Expected(
+        restored=by_status(0, 2, 5, 1),
+        reissued=2,
+        cleared=2,
+        target=8,
+        submitted=0,
+        over=0,
+        doomed=doomed(1, 4, 0),
+        under=5,
+        tq_restored=by_status(0, 2, 5, 1),
+        tq_reissued=2,
+        tq_target=8,
+        tq_expected=0,
+        tq_submitted=0,
+        tq_over=0,
+        tq_doomed=doomed(1, 4, 0),
+        tq_under=5,
+        state="skipped_full",
+        checkpoint_step=2,
+        checkpoint=by_status(0, 2, 5, 1),
+        checkpoint_doomed=doomed(1, 4, 0),
+        orphans=8,
+        trajectories=21,
+    ),
+    # verl 0.9.0: the common trace, then the resume logs no R and submits 2 batches = 8 on top of R 8.
+    # Step 3: 13,15 re-issued, warmup 16-23 and batch 24-27 (g3); samples 8-11; the tick ends 16-26 even.
+    # Step 4: 28-31 (g4); samples 12,14 (g2), 16,18; the tick finishes the odd g3 ones and 28,30.
+    # global_step_4: 20-27 + 13,15 (g3), 28,30 finished, 29,31 running = 16 = 2T; orphans: the 8 restored
+    # from global_step_2 plus the step-4 batch's 8; trajectories 14*2 + 2 + 16.
+    "legacy-double-warmup": Expected(
+        restored=by_status(0, 2, 6, 0),
+        reissued=2,
+        cleared=2,
+        target=8,
+        submitted=8,
+        over=0,
+        doomed=doomed(0, 0, 0),
+        under=0,
+        tq_restored=None,
+        tq_reissued=2,
+        tq_target=8,
+        tq_expected=None,
+        tq_submitted=8,
+        tq_over=None,
+        tq_doomed=doomed(None, None, 0),
+        tq_under=None,
+        state="legacy_unconditional",
+        checkpoint_step=4,
+        checkpoint=by_status(0, 2, 14, 0),
+        checkpoint_doomed=NOTHING_DOOMED,
+        orphans=16,
+        trajectories=46,
+    ),
+    # The common trace without transfer_queue/: the resume restores nothing, warms up all 8.
+    "no-tq-checkpoint": Expected(
+        restored=by_status(0, 0, 0, 0),
+        reissued=0,
+        cleared=0,
+        target=8,
+        submitted=8,
+        over=0,
+        doomed=doomed(0, 0, 0),
+        under=0,
+        tq_restored=by_status(0, 0, 0, 0),
+        tq_reissued=0,
+        tq_target=8,
+        tq_expected=8,
+        tq_submitted=8,
+        tq_over=0,
+        tq_doomed=doomed(0, 0, 0),
+        tq_under=0,
+        state="topped_up",
+        checkpoint_step=2,
+        checkpoint=by_status(0, 0, 0, 0),
+        checkpoint_doomed=doomed(0, 0, 0),
+        orphans=0,
+        trajectories=0,  # the simulator saw 22 in TQ, but nothing was saved
+    ),
+    # No warmup: each step adds 4 and waits (two poll ticks) until all 4 finished, so global_step_2 holds
+    # only the step-2 batch's 8 orphan trajectories: R 0. With skip.rollout_tq no window is kept (no T); the
+    # config says the warmup submits nothing (verl logs nothing), and with no warmup line after it tqmon
+    # cannot tell K = 0 (verl logs no re-issue line when nothing is in flight) from a re-issue line to come.
+    "skip-rollout-tq": Expected(
+        restored=by_status(0, 0, 0, 0),
+        reissued=0,
+        cleared=0,
+        target=None,
+        submitted=0,
+        over=0,
+        doomed=doomed(0, 0, 0),
+        under=None,
+        tq_restored=by_status(0, 0, 0, 0),
+        tq_reissued=None,
+        tq_target=None,
+        tq_expected=0,
+        tq_submitted=0,
+        tq_over=None,
+        tq_doomed=doomed(0, 0, 0),
+        tq_under=None,
+        state="disabled",
+        checkpoint_step=2,
+        checkpoint=by_status(0, 0, 0, 0),
+        checkpoint_doomed=doomed(0, 0, 0),
+        orphans=8,
+        trajectories=8,
+    ),
+}
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[str]:
+    """One local Ray for every scenario (each scenario's trainer creates and closes its own TQs in it)."""
+    import ray
+
+    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
+    try:
+        yield str(ray.get_runtime_context().gcs_address)
+    finally:
+        ray.shutdown()
+
+
+def serve_args(workdir: Path, scenario: Scenario) -> list[str]:
+    """What ``tqmon serve`` watches for a simulator run (a live TQ source would be one more pair here)."""
+    sources = ["--log", str(workdir / LOG_FILE), "--checkpoint-dir", str(workdir / CHECKPOINT_DIR)]
+    return [*sources, "--log-interval", "0.2", "--checkpoint-interval", "0.2", *scenario.after.tqmon_flags()]
+
+
+def wait_for_series(tqmon: TqmonProcess, expected: Series, timeout: float = 20.0) -> None:
+    """Poll ``/metrics`` until every series has its expected value (None: absent)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        text = tqmon.metrics()
+        wrong = {k: (sample_value(text, k), v) for k, v in expected.items() if sample_value(text, k) != v}
+        if not wrong:
+            return
+        if time.monotonic() > deadline:
+            pytest.fail("series (got, expected) never matched:\n" + "\n".join(f"{k}: {v}" for k, v in wrong.items()))
+        time.sleep(0.2)
+
+
+def check_report(report: dict[str, Any], expected: Expected) -> None:
+    """The simulator's own view of the resume and of its latest checkpoint."""
+    fresh, resume = report["starts"]
+    assert fresh["resumed_from"] is None and fresh["restored"] == 0
+    assert resume["resumed_from"] == 2 and resume["controller_id"] != fresh["controller_id"]
+    got = {k: resume[k] for k in ("restored_by_status", "reissued", "cleared_trajectories", "target", "submitted")}
+    assert got == {
+        "restored_by_status": expected.restored,
+        "reissued": expected.reissued,
+        "cleared_trajectories": expected.cleared,
+        "target": expected.target,
+        "submitted": expected.submitted,
+    }
+    assert resume["restored"] == sum(expected.restored.values())
+    assert (resume["over_restored"], resume["doomed"], resume["under_submitted"]) == (
+        expected.over,
+        expected.doomed,
+        expected.under,
+    )
+    last = report["checkpoints"][-1]
+    assert (last["step"], last["by_status"]) == (expected.checkpoint_step, expected.checkpoint)
+    assert (last["trajectories"], last["orphan_trajectories"]) == (expected.trajectories, expected.orphans)
+
+
+def check_tqmon(workdir: Path, scenario: Scenario, expected: Expected, tqmon_factory: Any) -> None:
+    tqmon = tqmon_factory(serve_args(workdir, scenario)).start()
+    wait_for_series(tqmon, expected.series())
+
+
+@pytest.mark.parametrize("name", [n for n in SCENARIOS if n != "healthy-resume"])
+def test_scenario_end_to_end(name: str, cluster: str, tmp_path: Path, tqmon_factory: Any) -> None:
+    scenario, expected = SCENARIOS[name], EXPECTED[name]
+    report: SimReport = run_scenario(scenario, tmp_path / "run", seed=7)
+    check_report(asdict(report), expected)
+    check_tqmon(tmp_path / "run", scenario, expected, tqmon_factory)
+
+
+def test_cli_runs_healthy_resume_and_holds_the_tq_until_sigterm(
+    cluster: str, tmp_path: Path, tqmon_factory: Any
+) -> None:
+    """``python -m tqmon.sim`` joins the cluster, resumes with a new controller and keeps it for the sidecar."""
+    import ray
+
+    workdir = tmp_path / "run"
+    command = [sys.executable, "-m", "tqmon.sim", "--workdir", str(workdir), "--ray-address", cluster]
+    env = {**os.environ, "TQMON_SIM_SCENARIO": "healthy-resume", "TQMON_SIM_STEP_SECONDS": "0", "TQMON_SIM_HOLD": "1"}
+    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env, text=True)
+    try:
+        assert proc.stdout is not None
+        report = json.loads(proc.stdout.readline())  # printed once the run is done, before holding
+        check_report(report, EXPECTED["healthy-resume"])
+        assert report["tqmon_flags"] == SCENARIOS["healthy-resume"].after.tqmon_flags()
+        check_tqmon(workdir, SCENARIOS["healthy-resume"], EXPECTED["healthy-resume"], tqmon_factory)
+        held = ray.get_actor(*CONTROLLER)
+        assert held._actor_id.hex() == report["starts"][1]["controller_id"]
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 0
+        with pytest.raises(ValueError):
+            ray.get_actor(*CONTROLLER)  # the simulator closed its TQ on the way out
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def test_workdir_of_a_previous_run_is_refused(tmp_path: Path) -> None:
+    (tmp_path / LOG_FILE).write_text("")
+    result = CliRunner().invoke(sim, ["--workdir", str(tmp_path)])
+    assert result.exit_code == 2 and "already holds a run (trainer.log); use a fresh one" in result.output
+
+
+def test_every_scenario_is_listed_with_its_tqmon_flags() -> None:
+    result = CliRunner().invoke(sim, ["--list-scenarios"], catch_exceptions=False)
+    assert result.exit_code == 0
+    assert "partial-restore: num_warmup_batches raised from 2 to 2.5" in result.output
+    assert "--num-warmup-batches 2.5 --max-off-policy-threshold 8" in result.output
+    assert set(EXPECTED) == set(SCENARIOS) and all(f"{name}: " in result.output for name in SCENARIOS)

@@ -1,0 +1,230 @@
+"""The verl plugin's parts without a trainer: delivery, submission classification, and what the tracker
+makes of one start reported through two doors (verl's log and the plugin), and of the verl version."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from tests.conftest import TqmonProcess, free_port
+from tqmon.composition import compose
+from tqmon.events import Event, TrainerConfig, WarmupDecided, parse_event
+from tqmon.integrations.poster import EventPoster
+from tqmon.integrations.resume import StartReporter
+from tqmon.store import StateStore
+from tqmon.tracker import Tracker
+from tqmon.warmup import WarmupState, is_legacy_version
+
+CONFIG = {"train_batch_size": 4, "num_warmup_batches": 2}  # T = 8
+
+
+def ev(kind: str, eid: str, **fields: Any) -> Event:
+    return parse_event({"type": kind, "id": eid, **fields})
+
+
+# ---------------------------------------------------------------- delivery
+
+
+def test_poster_delivers_batches_to_a_live_tqmon(tqmon_factory: Callable[..., TqmonProcess]) -> None:
+    tqmon = tqmon_factory(["--token", "s3cret"]).start()
+    poster = EventPoster(tqmon.url, "s3cret")
+    for step in (11, 12, 13):
+        poster.post(ev("step_completed", f"r/step/{step}", global_step=step))
+    assert poster.flush(10)
+    assert (poster.stats.sent, poster.stats.dropped) == (3, 0)
+    status = httpx.get(tqmon.url + "/api/v1/status", timeout=5).json()
+    assert status["trainer_step"] == 13
+
+
+def test_poster_drops_and_counts_when_tqmon_is_away(caplog: pytest.LogCaptureFixture) -> None:
+    slept: list[float] = []
+    poster = EventPoster(f"http://127.0.0.1:{free_port()}", retry_delays=(0.5, 2.0), sleep=slept.append)
+    poster.post(ev("step_completed", "r/step/1", global_step=1))  # returns at once, never raises
+    assert poster.flush(10)
+    assert (poster.stats.sent, poster.stats.dropped) == (0, 1)
+    assert slept == [0.5, 2.0]  # retried, then dropped
+    assert "dropped 1 event(s), 1 in total" in caplog.text
+
+
+def test_poster_does_not_retry_a_refusal(tqmon_factory: Callable[..., TqmonProcess]) -> None:
+    tqmon = tqmon_factory(["--token", "s3cret"]).start()
+    slept: list[float] = []
+    poster = EventPoster(tqmon.url, "wrong", sleep=slept.append)
+    poster.post(ev("step_completed", "r/step/1", global_step=1))
+    assert poster.flush(10)
+    assert (poster.stats.dropped, slept) == (1, [])
+    assert poster.stats.last_error is not None and "HTTP 401" in poster.stats.last_error
+
+
+def test_poster_drops_when_its_queue_is_full() -> None:
+    poster = EventPoster(f"http://127.0.0.1:{free_port()}", capacity=1, retry_delays=(60.0,), sleep=lambda _: None)
+    poster._thread = object()  # type: ignore[assignment]  # no sender: the queue only fills
+    poster.post(ev("step_completed", "r/step/1", global_step=1))
+    poster.post(ev("step_completed", "r/step/2", global_step=2))
+    assert (poster.stats.enqueued, poster.stats.dropped) == (1, 1)
+
+
+# ---------------------------------------------------------------- what a submission is
+
+
+def _classify_from(*names: str) -> str:
+    """Call ``classify`` at the bottom of a chain of functions named like verl's (outermost first)."""
+    from tqmon.integrations.verl import classify
+
+    namespace: dict[str, Any] = {"classify": classify, "sys": sys}
+    exec("def _bottom():\n    return classify(sys._getframe(0))\n", namespace)
+    inner = "_bottom"
+    for name in reversed(names):
+        exec(f"def {name}():\n    return {inner}()\n", namespace)
+        inner = name
+    result: str = namespace[inner]()
+    return result
+
+
+@pytest.mark.parametrize(
+    ("stack", "kind"),
+    [
+        (("fit", "_reissue_inflight_prompts"), "reissue"),
+        (("fit", "on_train_begin", "_add_async_warmup_batches", "_add_prompts_to_generate"), "warmup"),
+        (("fit", "on_train_begin", "_add_batch_to_generate", "wrapper"), "warmup"),  # verl 0.9.0's warmup
+        (("fit", "step", "prepare_step", "wrapper", "_submit_batch_to_rollout"), "step"),
+        (("fit", "step", "_step_once", "sample", "wait_for_sampleable", "_add_prompts_to_generate"), "refill"),
+        (("fit", "step", "prepare_step", "wait_for_sampleable", "_add_prompts_to_generate"), "refill"),
+        (("fit", "_validate"), "validation"),
+    ],
+)
+def test_submissions_are_classified_by_verls_functions_on_the_stack(stack: tuple[str, ...], kind: str) -> None:
+    pytest.importorskip("verl")
+    assert _classify_from(*stack) == kind
+
+
+class _Sink:
+    def __init__(self) -> None:
+        self.events: list[Event] = []
+
+    def post(self, event: Event) -> None:
+        self.events.append(event)
+
+
+def test_the_warmup_is_measured_and_decided_by_the_first_step_batch() -> None:
+    sink = _Sink()
+    reporter = StartReporter(sink, "r/s", TrainerConfig(**CONFIG), "colocate_async")
+    window = compose({"a": {"is_prompt": True, "status": "running", "global_steps": 9}, "a_0_0": {}})
+    reporter.started(9, "/ckpt/global_step_9", window)
+    reporter.submitted("reissue", 1)
+    reporter.submitted("warmup", 5)
+    reporter.submitted("warmup", 2)
+    reporter.submitted("step", 4)
+    reporter.submitted("refill", 1)
+    types = [event.type for event in sink.events]
+    assert types == ["training_started", "checkpoint_restored", "inflight_reissued", "warmup_decided"]
+    decided = sink.events[-1]
+    assert isinstance(decided, WarmupDecided)
+    assert (decided.restored_prompt_groups, decided.submitted_prompt_groups, decided.skip_reason) == (1, 7, None)
+    assert dict(reporter.submissions) == {"reissue": 1, "warmup": 7, "step": 4, "refill": 1}
+
+
+@pytest.mark.parametrize(
+    ("config", "skip_reason"),
+    [
+        ({}, "window_full"),
+        ({"num_warmup_batches": 0}, "non_positive_warmup"),
+        ({"skip_rollout_tq": True}, "skip_rollout_tq"),
+    ],
+)
+def test_a_warmup_that_submitted_nothing_says_why(config: dict[str, Any], skip_reason: str) -> None:
+    sink = _Sink()
+    reporter = StartReporter(sink, "r/s", TrainerConfig(**(CONFIG | config)), "colocate_async")
+    reporter.started(9, None, compose({}))
+    reporter.submitted("step", 4)
+    reissued, decided = sink.events[-2:]
+    assert reissued.type == "inflight_reissued" and getattr(reissued, "reissued_prompt_groups", None) == 0
+    assert isinstance(decided, WarmupDecided) and decided.skip_reason == skip_reason
+
+
+# ---------------------------------------------------------------- one start, two doors
+
+
+LOG = [
+    ev("training_started", "log:1", resumed_from_step=10),
+    ev("checkpoint_restored", "log:2", restored_prompt_groups=6),
+    ev("inflight_reissued", "log:3", step=11, reissued_prompt_groups=2, cleared_trajectories=1),
+    ev("warmup_decided", "log:4", target_prompt_groups=8, restored_prompt_groups=6, submitted_prompt_groups=2),
+]
+PLUGIN = [
+    ev("training_started", "p/start", resumed_from_step=10),
+    ev(
+        "checkpoint_restored",
+        "p/restore",
+        step=10,
+        restored_prompt_groups=6,
+        groups=[
+            {"status": "running", "global_steps": 10, "count": 2},
+            {"status": "finished", "global_steps": 10, "count": 3},
+            {"status": "failure", "global_steps": 9, "count": 1},
+        ],
+    ),
+    ev("inflight_reissued", "p/reissue", step=11, reissued_prompt_groups=2, cleared_trajectories=1),
+    ev("warmup_decided", "p/warmup", restored_prompt_groups=6, submitted_prompt_groups=2),
+]
+
+
+@pytest.mark.parametrize("log_first", [True, False])
+def test_one_start_reported_by_the_log_and_the_plugin_is_one_record(log_first: bool) -> None:
+    t = Tracker(StateStore(None))
+    first, second = (LOG, PLUGIN) if log_first else (PLUGIN, LOG)
+    t.ingest(first, "log" if log_first else "events")
+    t.ingest(second, "events" if log_first else "log")
+    [record] = t.records()
+    assert (record.restored, record.reissued, record.target, record.submitted) == (6, 2, 8, 2)
+    assert record.restored_by_status == {"pending": 0, "running": 2, "finished": 3, "failure": 1}
+    assert record.warmup_state is WarmupState.TOPPED_UP
+    assert len(record.evidence) == 8
+
+
+def test_a_second_start_from_the_same_door_is_a_new_record() -> None:
+    t = Tracker(StateStore(None))
+    t.ingest(LOG, "log")
+    t.ingest([ev(e.type, e.id + "b", **e.model_dump(exclude={"id", "type", "time"})) for e in LOG], "log")
+    assert [r.checkpoint_step for r in t.records()] == [10, 10]
+
+
+# ---------------------------------------------------------------- which semantics
+
+
+@pytest.mark.parametrize(
+    ("version", "legacy"),
+    [("0.9.0", True), ("0.9.0rc1", True), ("0.8.5", True), ("0.9.1", False), ("0.10.0", False), ("", False)],
+)
+def test_verl_versions_before_0_9_1_are_legacy(version: str, legacy: bool) -> None:
+    assert is_legacy_version(version) is legacy
+
+
+@pytest.mark.parametrize(("version", "semantics"), [("0.9.0", "verl-0.9.0"), ("0.9.1", "verl-0.9.1")])
+def test_run_started_verl_version_names_the_semantics(version: str, semantics: str, tmp_path: Path) -> None:
+    t = Tracker(StateStore(tmp_path / "state.db"))
+    run = ev("run_started", "run", run_id="r", trainer_mode="colocate_async", verl_version=version, config=CONFIG)
+    fresh = [
+        ev("training_started", "s"),
+        ev("warmup_decided", "w", restored_prompt_groups=0, submitted_prompt_groups=8),
+    ]
+    t.ingest([run, *fresh], "events")
+    [record] = t.records()
+    assert (record.semantics, record.warmup_state) == (semantics, WarmupState.FRESH_START)
+
+
+def test_the_legacy_log_line_means_0_9_0_whatever_the_version_says() -> None:
+    t = Tracker(StateStore(None))
+    run = ev("run_started", "run", run_id="r", trainer_mode="colocate_async", verl_version="0.9.1", config=CONFIG)
+    t.ingest([run, *LOG[:3], ev("warmup_decided", "log:5", legacy_warmup_batches=2)], "log")
+    [record] = t.records()
+    assert (record.semantics, record.submitted, record.warmup_state) == (
+        "verl-0.9.0",
+        8,
+        WarmupState.LEGACY_UNCONDITIONAL,
+    )

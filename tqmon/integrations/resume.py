@@ -1,0 +1,111 @@
+"""What one trainer start reports: its restore, its re-issue and its warmup decision, from measured facts.
+
+Framework-agnostic: the verl glue (``tqmon.integrations.verl``) says what was restored and classifies each
+submission; this module decides which events those facts make. The warmup is measured by counting the
+prompts submitted while warming up, and decided once the first non-warmup submission (the step's batch
+or a refill) shows the warmup is over.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Literal, Protocol
+
+from tqmon.composition import Composition
+from tqmon.events import (
+    CheckpointRestored,
+    Event,
+    InflightReissued,
+    SkipReason,
+    TrainerConfig,
+    TrainingStarted,
+    WarmupDecided,
+)
+
+Submission = Literal["reissue", "warmup", "step", "refill", "validation"]
+
+
+class Sink(Protocol):
+    def post(self, event: Event) -> None: ...
+
+
+def skip_reason(config: TrainerConfig, trainer_mode: str) -> SkipReason:
+    """Why a warmup that submitted nothing did so, in the order verl 0.9.1 checks."""
+    if trainer_mode == "sync":
+        return "sync_mode"
+    if config.skip_rollout_tq:
+        return "skip_rollout_tq"
+    if config.num_warmup_batches <= 0:
+        return "non_positive_warmup"
+    return "window_full"
+
+
+class StartReporter:
+    """Events of one trainer start; ``ids`` prefixes every event id (unique per run and process)."""
+
+    def __init__(self, sink: Sink, ids: str, config: TrainerConfig, trainer_mode: str) -> None:
+        self._sink = sink
+        self._ids = ids
+        self._config = config
+        self._mode = trainer_mode
+        self._resumed_from: int | None = None
+        self._restored = 0
+        self._cleared = 0  # trajectories of in-flight groups: the re-issue clears them
+        self._reissued = False
+        self._warmup = 0
+        self._decided = False
+        self.submissions: Counter[Submission] = Counter()  # prompts by kind, for logs and tests
+
+    def started(self, resumed_from: int | None, path: str | None, window: Composition | None) -> None:
+        """verl picked its start (``resumed_from`` = N) and, when it restored TransferQueue, ``window``."""
+        self._resumed_from = resumed_from
+        self._sink.post(TrainingStarted(id=f"{self._ids}/start", resumed_from_step=resumed_from, checkpoint_path=path))
+        if window is None:
+            return
+        self._restored, self._cleared = window.restored, window.inflight_trajectories
+        self._sink.post(
+            CheckpointRestored(
+                id=f"{self._ids}/restore",
+                step=resumed_from,
+                restored_prompt_groups=window.restored,
+                groups=window.group_counts(),
+            )
+        )
+
+    def submitted(self, kind: Submission, prompts: int) -> None:
+        """One ``generate_sequences`` call of ``prompts`` prompt groups."""
+        self.submissions[kind] += prompts
+        if kind == "validation" or self._decided:
+            return
+        if kind == "reissue":
+            self._reissue(prompts)
+        elif kind == "warmup":
+            self._warmup += prompts
+        else:
+            self._decide()
+
+    def _reissue(self, prompts: int) -> None:
+        self._reissued = True
+        step = None if self._resumed_from is None else self._resumed_from + 1
+        self._sink.post(
+            InflightReissued(
+                id=f"{self._ids}/reissue",
+                step=step,
+                reissued_prompt_groups=prompts,
+                cleared_trajectories=self._cleared,
+            )
+        )
+
+    def _decide(self) -> None:
+        """The warmup is over: report what it submitted (verl re-issues nothing when nothing was in flight)."""
+        self._decided = True
+        if self._resumed_from is not None and not self._reissued:
+            self._reissue(0)
+        self._sink.post(
+            WarmupDecided(
+                id=f"{self._ids}/warmup",
+                restored_prompt_groups=self._restored,
+                submitted_prompt_groups=self._warmup,
+                skip_reason=None if self._warmup else skip_reason(self._config, self._mode),
+            )
+        )

@@ -1,0 +1,315 @@
+"""Prometheus recording and alerting rules for tqmon, built as data from the metric catalog.
+
+``python -m tqmon.rules`` writes ``deploy/prometheus/tqmon-rules.yml``; a test fails when the committed
+file drifts, and every metric a rule names is looked up in the catalog here, so a renamed metric breaks
+the build instead of silently blinding an alert. Thresholds and selectors are fields of ``RuleConfig``.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from tqmon.catalog import BY_NAME
+
+RULES_FILE = Path(__file__).resolve().parent.parent / "deploy" / "prometheus" / "tqmon-rules.yml"
+RESUME_DASHBOARD_UID = "tqmon-resume"
+FLEET_DASHBOARD_UID = "tqmon-fleet"
+RECORD_GROUP = "tqmon.rules"
+ALERT_GROUP = "tqmon.alerts"
+
+# Recording rules (level:metric:operations); the dashboards read them too.
+WINDOW_TOTAL = "tqmon:window_prompt_groups:sum"
+FILL_RATIO = "tqmon:window_fill_ratio:ratio"
+WINDOW_DEFICIT = "tqmon:window_deficit_prompt_groups:clamp_min"
+RESTORED_TOTAL = "tqmon:resume_restored_prompt_groups:sum"
+DOOMED_TOTAL = "tqmon:resume_doomed_prompt_groups:sum"
+USEFUL_AFTER_WARMUP = "tqmon:resume_useful_prompt_groups:sum"
+
+
+@dataclass(frozen=True, slots=True)
+class RuleConfig:
+    """Every threshold and selector of the shipped rules; the defaults are what the runbooks describe."""
+
+    selector: str = 'job="tqmon"'  # label matchers of the tqmon scrape job, added to every selector
+    runbook_base_url: str = "https://github.com/tqmon/tqmon/blob/main/docs/runbooks/"  # + "<Alert>.md"
+    grafana_url: str = "https://grafana.example.com"  # dashboard_url links to its /d/<uid>
+    fill_ratio_threshold: float = 0.9  # live window below this share of T reads under-filled
+    under_filled_for: str = "10m"
+    resume_window_seconds: int = 7200  # resume alerts look only this long after the last start
+    progress_window: str = "10m"  # the trainer is progressing if its step changed within this range
+    over_fill_ratio_threshold: float = 1.0  # live window above this share of T reads over target
+    over_target_for: str = "30m"
+    decision_for: str = "1m"  # alerts on the warmup decision's numbers, which settle within seconds
+    doomed_share_threshold: float = 0.25  # doomed restored groups as a share of T
+    stale_groups_threshold: int = 0  # stale restored groups tolerated
+    orphan_threshold: int = 1000  # orphan trajectory keys in the train partition
+    orphans_for: str = "30m"
+    source_for: str = "5m"  # source down / stale
+    source_stale_seconds: int = 600  # no success for this long (2x tqmon's default --stale-after)
+    push_sources: tuple[str, ...] = ("events",)  # only succeed when the trainer pushes: never stale
+    down_for: str = "5m"
+    absent_for: str = "15m"
+    stall_for: str = "30m"  # no step for 5m, continuously for this long, while the trainer talks
+    trainer_active_seconds: int = 600  # the trainer counts as alive if heard from this recently
+
+
+@dataclass(frozen=True, slots=True)
+class Alert:
+    """One alert in monitoring-mixin form; ``fleet`` alerts have no instance and link the fleet dashboard."""
+
+    name: str
+    expr: str
+    duration: str
+    severity: str
+    summary: str
+    description: str
+    fleet: bool = False
+
+
+class _Selectors:
+    """Renders selectors of catalog metrics with the configured scrape-job matchers."""
+
+    def __init__(self, config: RuleConfig) -> None:
+        self._matchers = config.selector
+
+    def __call__(self, name: str, extra: str = "") -> str:
+        if name not in BY_NAME and name != "up":
+            raise KeyError(f"{name} is not in the metric catalog")
+        matchers = ",".join(m for m in (self._matchers, extra) if m)
+        return f"{name}{{{matchers}}}"
+
+
+def recording_rules(config: RuleConfig) -> list[dict[str, str]]:
+    """Ratios and deficits the exporter does not pre-compute (see DESIGN §4), in evaluation order."""
+    m = _Selectors(config)
+    target = m("tqmon_window_target_prompt_groups")
+    train = m("tqmon_window_prompt_groups", "partition=" + _q("train"))
+    rules = {
+        WINDOW_TOTAL: f"sum without (partition, status) ({train})",
+        FILL_RATIO: f"{WINDOW_TOTAL} / ({target} > 0)",
+        WINDOW_DEFICIT: f"clamp_min({target} - {WINDOW_TOTAL}, 0)",
+        RESTORED_TOTAL: f"sum without (status) ({m('tqmon_resume_restored_prompt_groups')})",
+        DOOMED_TOTAL: f"sum without (reason) ({m('tqmon_resume_doomed_prompt_groups')})",
+        # R - doomed + M; unknown doomed groups (log-only) count as 0, a lower bound like the exporter's.
+        USEFUL_AFTER_WARMUP: (
+            f"{RESTORED_TOTAL} - ({DOOMED_TOTAL} or {RESTORED_TOTAL} * 0)"
+            f" + {m('tqmon_resume_warmup_submitted_prompt_groups')}"
+        ),
+    }
+    return [{"record": name, "expr": expr} for name, expr in rules.items()]
+
+
+def _q(value: str) -> str:
+    return f'"{value}"'
+
+
+def _pct(share: float) -> str:
+    return f"{share * 100:g}%"
+
+
+def alerts(config: RuleConfig) -> list[Alert]:
+    """The alerts, each silent on a healthy resume, during warmup and on an idle run (see tests/test_rules.py)."""
+    m = _Selectors(config)
+    recent = f"(time() - {m('tqmon_last_resume_timestamp_seconds')}) < {config.resume_window_seconds}"
+    resume_hours = f"{config.resume_window_seconds / 3600:g}h"
+    progressing = f"changes({m('tqmon_trainer_global_step')}[{config.progress_window}]) > 0"
+    step = m("tqmon_trainer_global_step")
+    push = "|".join(config.push_sources)
+    return [
+        Alert(
+            "TQMonWindowUnderFilledAfterResume",
+            f"{FILL_RATIO} < {config.fill_ratio_threshold}\nand {recent}\nand {progressing}",
+            config.under_filled_for,
+            "critical",
+            "The TransferQueue prefetch window stays under-filled after a resume.",
+            "The live prefetch window of {{ $labels.instance }} has held {{ $value | humanizePercentage }} of its"
+            f" target for more than {config.under_filled_for} within {resume_hours} of the last resume, below"
+            f" {_pct(config.fill_ratio_threshold)}, while the trainer keeps stepping: rollouts starve the trainer.",
+        ),
+        Alert(
+            "TQMonWarmupUnderSubmitted",
+            f"{m('tqmon_resume_under_submitted_prompt_groups')} > 0\nand {recent}",
+            config.decision_for,
+            "warning",
+            "The warmup after the last resume left the window short of useful work.",
+            "The last start of {{ $labels.instance }} left {{ $value }} prompt groups of useful work missing right"
+            " after warmup (T - (R - doomed + M)): the first steps after the resume wait for fresh rollouts.",
+        ),
+        Alert(
+            "TQMonWarmupOverSubmitted",
+            f"({m('tqmon_resume_warmup_submitted_prompt_groups')} - {m('tqmon_resume_warmup_expected_prompt_groups')})"
+            f" > 0\nand {recent}",
+            config.decision_for,
+            "warning",
+            "The warmup after the last resume submitted more prompts than the window needed.",
+            "The last warmup of {{ $labels.instance }} submitted {{ $value }} prompt groups more than"
+            " max(0, T - R): the window is over-filled and its oldest prompts drift off-policy.",
+        ),
+        Alert(
+            "TQMonLegacyUnconditionalWarmup",
+            f"{m('tqmon_resume_warmup_state', 'state=' + _q('legacy_unconditional'))} == 1"
+            f"\nand ignoring (state) {recent}",
+            config.decision_for,
+            "warning",
+            "The trainer resumed with verl 0.9.0's unconditional warmup.",
+            "{{ $labels.instance }} resumed with the legacy verl 0.9.0 warmup, which submits num_warmup_batches"
+            " whole batches on top of the restored prompt groups: the window grows by T on every resume.",
+        ),
+        Alert(
+            "TQMonWindowOverTarget",
+            f"{FILL_RATIO} > {config.over_fill_ratio_threshold}\nand {progressing}",
+            config.over_target_for,
+            "warning",
+            "The TransferQueue prefetch window stays over its target.",
+            "The live prefetch window of {{ $labels.instance }} has held {{ $value | humanizePercentage }} of its"
+            f" target for more than {config.over_target_for} while the trainer keeps stepping: over-restored"
+            " prompt groups are never trimmed and age off-policy.",
+        ),
+        Alert(
+            "TQMonDoomedRestoredGroupsHigh",
+            f"{DOOMED_TOTAL} / ({m('tqmon_resume_warmup_target_prompt_groups')} > 0)"
+            f" > {config.doomed_share_threshold}\nand {recent}",
+            config.decision_for,
+            "warning",
+            "Many restored prompt groups are evicted by the first sample after the resume.",
+            "The first sample after the last start of {{ $labels.instance }} evicts doomed restored prompt groups"
+            " worth {{ $value | humanizePercentage }} of the target window (threshold"
+            f" {_pct(config.doomed_share_threshold)}); their work is lost and they are refilled a step late.",
+        ),
+        Alert(
+            "TQMonStaleRestoredGroups",
+            f"{m('tqmon_resume_doomed_prompt_groups', 'reason=' + _q('stale'))} > {config.stale_groups_threshold}"
+            f"\nand ignoring (reason) {recent}",
+            config.decision_for,
+            "info",
+            "Restored prompt groups are too old for the off-policy threshold.",
+            "{{ $value }} finished prompt groups restored by {{ $labels.instance }} exceed max_off_policy_threshold"
+            " at the first step after the resume and are evicted unused.",
+        ),
+        Alert(
+            "TQMonOrphanTrajectoriesPilingUp",
+            f"{m('tqmon_window_orphan_trajectories', 'partition=' + _q('train'))} > {config.orphan_threshold}",
+            config.orphans_for,
+            "warning",
+            "Trajectory keys without a prompt key pile up in TransferQueue.",
+            "{{ $labels.instance }} sees {{ $value }} trajectory keys without a prompt key in partition"
+            f" {{{{ $labels.partition }}}} (threshold {config.orphan_threshold}): nothing clears them and every"
+            " resume adds the last trained batch's.",
+        ),
+        Alert(
+            "TQMonSourceDown",
+            f"{m('tqmon_source_up')} == 0",
+            config.source_for,
+            "warning",
+            "A tqmon source is down.",
+            "Source {{ $labels.source }} of {{ $labels.instance }} has been down for more than"
+            f" {config.source_for}: its series are dropped and the verdicts rest on the other sources.",
+        ),
+        Alert(
+            "TQMonSourceStale",
+            f"time() - {m('tqmon_source_last_success_timestamp_seconds', 'source!~' + _q(push))}"
+            f" > {config.source_stale_seconds}",
+            config.source_for,
+            "warning",
+            "A tqmon source has not succeeded for a long time.",
+            "Source {{ $labels.source }} of {{ $labels.instance }} last succeeded {{ $value | humanizeDuration }}"
+            f" ago (threshold {config.source_stale_seconds}s).",
+        ),
+        Alert(
+            "TQMonDown",
+            f"{m('up')} == 0",
+            config.down_for,
+            "warning",
+            "Prometheus cannot scrape tqmon.",
+            "Prometheus has failed to scrape tqmon at {{ $labels.instance }} (job {{ $labels.job }}) for more than"
+            f" {config.down_for}: no window or resume alert can fire for this run.",
+        ),
+        Alert(
+            "TQMonAbsent",
+            f"absent({m('up')})",
+            config.absent_for,
+            "warning",
+            "No tqmon target is scraped.",
+            "Prometheus has had no tqmon target of job {{ $labels.job }} for more than"
+            f" {config.absent_for}: every other TQMon alert is blind.",
+            fleet=True,
+        ),
+        Alert(
+            "TQMonTrainerStalled",
+            f"{step}\nunless changes({step}[5m]) > 0"
+            f"\nand (time() - {m('tqmon_trainer_last_event_timestamp_seconds')}) < {config.trainer_active_seconds}",
+            config.stall_for,
+            "warning",
+            "The trainer is alive but its global step does not advance.",
+            "The trainer watched by {{ $labels.instance }} still reports but has been stuck at global step"
+            f" {{{{ $value }}}} for more than {config.stall_for}: rollouts are not completing.",
+        ),
+    ]
+
+
+def _dashboard_url(config: RuleConfig, alert: Alert) -> str:
+    if alert.fleet:
+        return f"{config.grafana_url}/d/{FLEET_DASHBOARD_UID}?var-job={{{{ $labels.job | urlquery }}}}"
+    return (
+        f"{config.grafana_url}/d/{RESUME_DASHBOARD_UID}?var-job={{{{ $labels.job | urlquery }}}}"
+        "&var-instance={{ $labels.instance | urlquery }}"
+    )
+
+
+def alert_rule(config: RuleConfig, alert: Alert) -> dict[str, Any]:
+    return {
+        "alert": alert.name,
+        "expr": alert.expr,
+        "for": alert.duration,
+        "labels": {"severity": alert.severity},
+        "annotations": {
+            "summary": alert.summary,
+            "description": alert.description,
+            "runbook_url": f"{config.runbook_base_url}{alert.name}.md",
+            "dashboard_url": _dashboard_url(config, alert),
+        },
+    }
+
+
+def rule_groups(config: RuleConfig | None = None) -> dict[str, Any]:
+    """The whole rules file as data: recording rules first, so alerts read this evaluation's values."""
+    config = config or RuleConfig()
+    return {
+        "groups": [
+            {"name": RECORD_GROUP, "rules": recording_rules(config)},
+            {"name": ALERT_GROUP, "rules": [alert_rule(config, alert) for alert in alerts(config)]},
+        ]
+    }
+
+
+class _Dumper(yaml.SafeDumper):  # type: ignore[misc]  # PyYAML ships no type hints
+    """Multi-line PromQL as literal blocks, so the committed file reads like a handwritten one."""
+
+
+def _str_presenter(dumper: yaml.SafeDumper, value: str) -> Any:
+    style = "|" if "\n" in value else None
+    return dumper.represent_scalar("tag:yaml.org,2002:str", value, style=style)
+
+
+_Dumper.add_representer(str, _str_presenter)
+
+
+def render(config: RuleConfig | None = None) -> str:
+    body: str = yaml.dump(rule_groups(config), Dumper=_Dumper, sort_keys=False, width=10_000, allow_unicode=True)
+    return "# Generated by `python -m tqmon.rules` (make docs); do not edit by hand: a test fails on drift.\n" + body
+
+
+def main() -> int:
+    RULES_FILE.parent.mkdir(parents=True, exist_ok=True)
+    RULES_FILE.write_text(render())
+    print(f"wrote {RULES_FILE}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
