@@ -116,6 +116,7 @@ RESUME_RECORD: dict[str, Any] = {
     "semantics": "verl-0.9.1",
     "first_step_evictions": {"failure": 1, "stale": 0, "filtered": 0},
     "first_step_generation_wait_seconds": 2.5,
+    "verdict": "UNDER-SUBMITTED by 1",
 }
 RESUME_EVIDENCE = [
     ("events", "training_started", START["id"], T0),
@@ -825,7 +826,7 @@ def test_health_readiness_landing_openapi_and_negotiation(tqmon_factory: Factory
     assert post_ok(proc, [RUN, START]) == {"accepted": 2, "applied": 2, "duplicates": 0}
     ready = httpx.get(proc.url + "/readyz")
     assert (ready.status_code, ready.json()) == (200, {"ready": True, "sources": {"events": True}, "problems": []})
-    assert "last start: unknown; 1 resumes" in httpx.get(proc.url + "/").text
+    assert "last start: incomplete: warmup decision not seen; 1 resumes" in httpx.get(proc.url + "/").text
 
     text = httpx.get(proc.url + "/metrics")
     assert text.headers["content-type"] == "text/plain; version=0.0.4; charset=utf-8"

@@ -12,9 +12,11 @@ from typing import Any
 
 import pytest
 import yaml
+from click.testing import CliRunner
 
 from tqmon import dashlint, rules
 from tqmon.catalog import BY_NAME, SOURCES
+from tqmon.cli import main
 
 RUNBOOKS = Path(__file__).resolve().parent.parent / "docs" / "runbooks"
 INSTANCE = "trainer-0:9842"
@@ -309,13 +311,16 @@ def test_rules_file_matches_the_code() -> None:
     assert rules.RULES_FILE.read_text() == rules.render(), "deploy/prometheus/tqmon-rules.yml drifted: run `make docs`"
 
 
-def test_promtool_check_rules_is_clean() -> None:
-    result = subprocess.run(
-        [promtool(), "check", "rules", str(rules.RULES_FILE)], capture_output=True, text=True, check=False
-    )
+def check_rules(path: Path) -> str:
+    """``promtool check rules`` on a rules file, which must pass; its report."""
+    result = subprocess.run([promtool(), "check", "rules", str(path)], capture_output=True, text=True, check=False)
     assert result.returncode == 0, result.stdout + result.stderr
+    return result.stdout
+
+
+def test_promtool_check_rules_is_clean() -> None:
     recording = len(rules.recording_rules(rules.RuleConfig()))
-    assert f"SUCCESS: {recording + len(alert_names())} rules found" in result.stdout
+    assert f"SUCCESS: {recording + len(alert_names())} rules found" in check_rules(rules.RULES_FILE)
 
 
 def test_rules_name_only_catalog_metrics_and_keep_counters_in_rate() -> None:
@@ -330,7 +335,7 @@ def test_rules_name_only_catalog_metrics_and_keep_counters_in_rate() -> None:
 
 
 def test_alerts_follow_mixin_conventions() -> None:
-    for rule in rules.rule_groups()["groups"][1]["rules"]:
+    for rule in (r for r in rules.rule_groups()["groups"][0]["rules"] if "alert" in r):
         assert rule["alert"].startswith("TQMon") and rule["alert"].isalnum()
         assert rule["labels"]["severity"] in {"critical", "warning", "info"}
         annotations = rule["annotations"]
@@ -338,7 +343,10 @@ def test_alerts_follow_mixin_conventions() -> None:
         assert "{{ $labels." in annotations["description"]
         assert annotations["runbook_url"] == f"{RUNBOOK}{rule['alert']}.md"
         assert annotations["dashboard_url"].startswith("https://grafana.example.com/d/")
-    assert all(rule["record"].count(":") == 2 for rule in rules.rule_groups()["groups"][0]["rules"])
+    group = rules.rule_groups()["groups"][0]["rules"]
+    recorded = [rule for rule in group if "record" in rule]
+    assert recorded and all(rule["record"].count(":") == 2 for rule in recorded)
+    assert group[: len(recorded)] == recorded  # before the alerts that read them, in the same group
 
 
 def test_config_parameters_reach_the_rules() -> None:
@@ -415,3 +423,32 @@ def test_no_alert_fires(tmp_path: Path, scenario: Any, minutes: int) -> None:
             for t in range(0, minutes, 5)
         ],
     )
+
+
+def test_tqmon_rules_command_takes_every_parameter_as_a_flag_or_variable(tmp_path: Path) -> None:
+    runner = CliRunner()
+    default = runner.invoke(main, ["rules"], catch_exceptions=False)
+    assert default.exit_code == 0 and default.output == rules.RULES_FILE.read_text()
+
+    out = tmp_path / "rules.yml"
+    args = ["rules", "--selector", 'job="grpo-7b"', "--under-filled-for", "20m", "-o", str(out)]
+    custom = runner.invoke(main, args, env={"TQMON_RULES_FILL_RATIO_THRESHOLD": "0.75"}, catch_exceptions=False)
+    assert custom.exit_code == 0, custom.output
+    groups = yaml.safe_load(out.read_text())["groups"]
+    headline = next(r for r in groups[0]["rules"] if r.get("alert") == "TQMonWindowUnderFilledAfterResume")
+    assert headline["for"] == "20m"
+    assert '{job="grpo-7b"}' in headline["expr"] and "< 0.75" in headline["expr"]
+    assert 'job="tqmon"' not in out.read_text()
+    assert "SUCCESS: 19 rules found" in check_rules(out)
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--under-filled-for", "15x"], "under_filled_for must be a Prometheus duration like 10m or 1h30m"),
+        (["--orphan-threshold", "-1"], "orphan_threshold must not be negative"),
+    ],
+)
+def test_tqmon_rules_refuses_a_parameter_that_cannot_work(args: list[str], message: str) -> None:
+    result = CliRunner().invoke(main, ["rules", *args])
+    assert result.exit_code == 2 and message in result.output

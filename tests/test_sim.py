@@ -40,8 +40,8 @@ from click.testing import CliRunner
 
 from tests.conftest import TqmonProcess, sample_value
 from tqmon.sim.cli import sim
-from tqmon.sim.scenarios import SCENARIOS, Scenario
-from tqmon.sim.trainer import CHECKPOINT_DIR, CONTROLLER, LOG_FILE, SimReport, run_scenario
+from tqmon.sim.scenarios import CHECKPOINT_DIR, LOG_FILE, SCENARIOS, Scenario
+from tqmon.sim.trainer import CONTROLLER, SimReport, run_scenario
 
 STATES = (
     "fresh_start",
@@ -95,6 +95,7 @@ class Expected:
     checkpoint_doomed: dict[str, int | None]
     orphans: int
     trajectories: int
+    counted: int | None = None  # R as the trainer logged it when it miscounts (None: the true R)
 
     def series(self) -> Series:
         s: Series = {
@@ -297,6 +298,38 @@ EXPECTED: dict[str, Expected] = {
         orphans=16,
         trajectories=46,
     ),
+    # The common trace, resumed with num_warmup_batches 5 (T = 20) by a trainer that counts every key of the
+    # partition as a restored group: R' = 8 prompts + 22 trajectories = 30 >= 20, so it logs "Restored 30" and
+    # "Skipping async warmup: 30 ... 20-prompt", submits nothing, and each step adds 4 and samples 4: the live
+    # window holds 8 (12 between a step's submission and its sample) of 20. tqmon believes the log: the
+    # checkpoint composition of global_step_2 sums to 8, not 30, so it is not applied (the log's total stands
+    # as status="unknown", failure and stale doomed unknown), O = 30 - 20 = 10 and under-submitted
+    # max(0, 20 - 30) = 0: only the live window (tqmon_window_*, the under-filled alert) shows the deficit.
+    "miscounted-restore": Expected(
+        restored=by_status(0, 2, 6, 0),
+        reissued=2,
+        cleared=2,
+        target=20,
+        submitted=0,
+        over=0,
+        doomed=doomed(0, 0, 0),
+        under=12,
+        tq_restored=30,
+        tq_reissued=2,
+        tq_target=20,
+        tq_expected=0,
+        tq_submitted=0,
+        tq_over=10,
+        tq_doomed=doomed(None, None, 0),
+        tq_under=0,
+        state="skipped_over_restored",
+        checkpoint_step=2,
+        checkpoint=HEALTHY,
+        checkpoint_doomed=NOTHING_DOOMED,
+        orphans=8,
+        trajectories=22,
+        counted=30,
+    ),
     # The common trace without transfer_queue/: the resume restores nothing, warms up all 8.
     "no-tq-checkpoint": Expected(
         restored=by_status(0, 0, 0, 0),
@@ -398,6 +431,7 @@ def check_report(report: dict[str, Any], expected: Expected) -> None:
         "submitted": expected.submitted,
     }
     assert resume["restored"] == sum(expected.restored.values())
+    assert resume["counted"] == (resume["restored"] if expected.counted is None else expected.counted)
     assert (resume["over_restored"], resume["doomed"], resume["under_submitted"]) == (
         expected.over,
         expected.doomed,

@@ -173,8 +173,9 @@ def test_waits_for_a_controller_reads_the_window_and_follows_loss_and_return(
     assert controller_id() != first
     put_prompts(tq, [uid(200)], 13, "pending")
     text = wait_for(proc, lambda t: value(t, "tqmon_tq_controller_epochs_total") == 2)
-    text = wait_for(proc, lambda t: value(t, "tqmon_tq_reply_keys") == 1)
-    assert value(text, f'tqmon_window_prompt_groups{{{TRAIN},status="pending"}}') == 1
+    # (A key whose put is still in flight can be listed before its tag arrives: wait for the tag.)
+    text = wait_for(proc, lambda t: value(t, f'tqmon_window_prompt_groups{{{TRAIN},status="pending"}}') == 1)
+    assert value(text, "tqmon_tq_reply_keys") == 1
     assert value(text, f"tqmon_window_trajectories{{{TRAIN}}}") == 0
     assert value(text, 'tqmon_source_up{source="tq"}') == 1
 

@@ -210,3 +210,21 @@ def test_window_status_and_readiness_follow_the_clock() -> None:
     assert not t.snapshot.ready(now[0])
     t.source_succeeded("log", 0.01)
     assert t.snapshot.ready(now[0] + 30) and not t.snapshot.ready(now[0] + 31)
+
+
+def test_a_logged_target_wins_over_a_config_the_start_did_not_run_with() -> None:
+    """tqmon was told T = 12, but this start logged T = 8 (an older config): M expected follows the log."""
+    t = tracker()
+    t.ingest([run_started()], "events")
+    t.ingest(
+        [
+            ev("training_started", "a", resumed_from_step=40),
+            ev("checkpoint_restored", "b", restored_prompt_groups=5),
+            ev("warmup_decided", "c", target_prompt_groups=8, restored_prompt_groups=5, submitted_prompt_groups=3),
+        ],
+        "log",
+    )
+    [record] = t.records()
+    assert (record.target, record.expected, record.submitted, record.over_restored) == (8, 3, 3, 0)
+    assert record.warmup_state is WarmupState.TOPPED_UP
+    assert t.snapshot.target_window == 8

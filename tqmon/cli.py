@@ -16,8 +16,11 @@ from pydantic import ValidationError
 
 from tqmon import __version__
 from tqmon.events import TrainerConfig
+from tqmon.rules import RuleConfig
 from tqmon.server import serve_forever
 from tqmon.service import ServiceConfig
+from tqmon.sim.cli import sim
+from tqmon.sim.scenarios import SCENARIOS
 from tqmon.sources.tq import PollBudget
 from tqmon.warmup import OFF_POLICY_STRATEGIES, TRAINER_MODES
 
@@ -436,14 +439,119 @@ def inspect_checkpoint(checkpoint_dir: Path, step: int | None, as_json: bool, tr
 
 
 @main.command()
-@option("--listen", default=LISTEN_DEFAULT, show_default=True, help="HOST:PORT to serve on.", env="LISTEN")
-@option("--speed", type=float, default=20.0, show_default=True, help="Log lines written per second.", env="DEMO_SPEED")
-def demo(listen: str, speed: float) -> None:
-    """Replay a bundled log of a preempted and resumed verl run into a file and serve tqmon on it."""
+@option(
+    "--scenario",
+    type=click.Choice(list(SCENARIOS)),
+    default="partial-restore",
+    show_default=True,
+    help="What the simulated trainer does before the preemption and at the resume (see `tqmon sim --help`).",
+    env="DEMO_SCENARIO",
+)
+@option("--listen", default=LISTEN_DEFAULT, show_default=True, help="HOST:PORT tqmon serves on.", env="LISTEN")
+@option(
+    "--step-seconds",
+    type=click.FloatRange(min=0.05),
+    default=1.0,
+    show_default=True,
+    help="Wall time of one simulated training step.",
+    env="DEMO_STEP_SECONDS",
+)
+@option(
+    "--steps-after-resume",
+    type=click.IntRange(min=1),
+    default=600,
+    show_default=True,
+    help="Steps the trainer runs after resuming (then it holds its TransferQueue until you stop the demo).",
+    env="DEMO_STEPS_AFTER_RESUME",
+)
+@option(
+    "--prometheus/--no-prometheus",
+    default=None,
+    help="Also run Prometheus on loopback with the alert rules [default: when `prometheus` is on PATH].",
+    env="DEMO_PROMETHEUS",
+)
+@option(
+    "--workdir",
+    type=click.Path(file_okay=False, path_type=Path),
+    default=None,
+    help="Keep the run (log, checkpoints, tqmon state, outputs) here; default: a temp dir removed on exit.",
+    env="DEMO_WORKDIR",
+)
+def demo(
+    scenario: str,
+    listen: str,
+    step_seconds: float,
+    steps_after_resume: int,
+    prometheus: bool | None,
+    workdir: Path | None,
+) -> None:
+    """Watch a preempted and resumed verl run on a real TransferQueue, live.
+
+    Starts a local Ray cluster, the simulated verl 0.9.1 trainer on a real TransferQueue in it, tqmon
+    attached to the live TQ, the trainer log and the checkpoint dir, and Prometheus with the alert rules
+    when it is installed; prints the URLs and a live summary. Ctrl-C stops everything it started.
+    """
     from tqmon.demo import run_demo
 
-    host, port = parse_listen(listen)
-    run_demo(host, port, speed)
+    if workdir is not None and workdir.exists() and any(workdir.iterdir()):
+        raise click.UsageError(f"--workdir {workdir} is not empty; give a fresh directory")
+    run_demo(
+        scenario,
+        parse_listen(listen),
+        step_seconds=step_seconds,
+        steps_after_resume=steps_after_resume,
+        prometheus=prometheus,
+        workdir=workdir,
+    )
+
+
+def rule_options(func: Callable[..., Any]) -> Callable[..., Any]:
+    """One option per ``RuleConfig`` field, with its help and default; each also ``TQMON_RULES_<FIELD>``."""
+    for spec in reversed(fields(RuleConfig)):
+        many = isinstance(spec.default, tuple)
+        func = option(
+            "--" + spec.name.replace("_", "-"),
+            spec.name,
+            type=str if many else type(spec.default),
+            multiple=many,
+            default=spec.default,
+            show_default=True,
+            help=spec.metadata["help"],
+            env="RULES_" + spec.name.upper(),
+        )(func)
+    return func
+
+
+@main.command("rules")
+@option(
+    "--output",
+    "-o",
+    type=click.Path(dir_okay=False, path_type=Path),
+    default=None,
+    help="Write the rules file here instead of to stdout.",
+    env="RULES_OUTPUT",
+)
+@rule_options
+def rules_command(output: Path | None, **params: Any) -> None:
+    """Prometheus recording and alert rules for your setup (deploy/prometheus/tqmon-rules.yml has the defaults).
+
+    Every threshold, duration and selector is a flag; check the result with `promtool check rules`.
+    """
+    from tqmon.rules import render
+
+    try:
+        config = RuleConfig(**params)
+    except ValueError as err:
+        raise click.UsageError(str(err)) from None
+    text = render(config)
+    if output is None:
+        click.echo(text, nl=False)
+    else:
+        output.write_text(text)
+        click.echo(f"wrote {output}", err=True)
+
+
+main.add_command(sim)
 
 
 if __name__ == "__main__":

@@ -89,48 +89,41 @@ def compose(tags: Mapping[str, Any], progress: Progress | None = None) -> Compos
     per key, so a million-key reply costs little more than verl's own count.
     """
     groups: dict[tuple[Any, Any], int] = {}
-    prompts: dict[str, Any] = {}  # uid -> status
     trajectory_keys: list[str] = []
     items = iter(tags.items())
     try:
         if progress is None:
-            _fold(items, groups, prompts, trajectory_keys)
+            _fold(items, groups, trajectory_keys)
         else:
             while chunk := list(islice(items, PROGRESS_EVERY)):
-                _fold(chunk, groups, prompts, trajectory_keys)
+                _fold(chunk, groups, trajectory_keys)
                 progress.update(len(chunk))
     except AttributeError:
         key = next(k for k, tag in tags.items() if not isinstance(tag, Mapping))
         raise CompositionError(f"tag of key {key!r} is {type(tags[key]).__name__}, not a dict") from None
     for status, steps in groups:
         if status not in PROMPT_STATUSES:
-            key = next(k for k, s in prompts.items() if s == status)
+            key = next(k for k, t in tags.items() if t.get("is_prompt", False) and t.get("status") == status)
             raise CompositionError(f"prompt key {key!r} has status {status!r}")
         if not isinstance(steps, int) or isinstance(steps, bool) or steps < 0:
-            key = next(k for k in prompts if tags[k].get("global_steps") == steps)
+            key = next(k for k, t in tags.items() if t.get("is_prompt", False) and t.get("global_steps") == steps)
             raise CompositionError(f"prompt key {key!r} has global_steps {steps!r}")
     orphans = inflight = 0
+    find = tags.get  # the prompt key of a trajectory is its uid: look it up in the reply itself
     for key in trajectory_keys:
-        status = prompts.get(key.partition("_")[0])
-        if status is None:
+        owner = find(key.partition("_")[0])
+        if owner is None or not owner.get("is_prompt", False):
             orphans += 1
-        elif status in INFLIGHT_STATUSES:
+        elif owner.get("status") in INFLIGHT_STATUSES:
             inflight += 1
     return Composition(groups, len(trajectory_keys), orphans, inflight, len(tags))
 
 
-def _fold(
-    items: Iterable[tuple[str, Any]],
-    groups: dict[tuple[Any, Any], int],
-    prompts: dict[str, Any],
-    trajectory_keys: list[str],
-) -> None:
+def _fold(items: Iterable[tuple[str, Any]], groups: dict[tuple[Any, Any], int], trajectory_keys: list[str]) -> None:
     """The hot loop: as few operations per key as the classification allows."""
     for key, tag in items:
         if tag.get("is_prompt", False):
-            status = tag.get("status")
-            group = (status, tag.get("global_steps"))
+            group = (tag.get("status"), tag.get("global_steps"))
             groups[group] = groups.get(group, 0) + 1
-            prompts[key] = status
         else:
             trajectory_keys.append(key)

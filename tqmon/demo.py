@@ -1,65 +1,320 @@
-"""``tqmon demo``: a bundled verl log of a preempted, resumed and reconfigured run, replayed live.
+"""``tqmon demo``: a preempted and resumed verl run on a real TransferQueue, watched live by tqmon.
 
-The log is written line by line into a temporary file with today's timestamps, and ``tqmon serve``
-follows it, so /metrics shows the resumes appear as a real trainer would produce them.
+It starts a local Ray cluster, the simulated trainer (``tqmon sim``) on a real TQ inside it, ``tqmon serve``
+attached to the live TQ, the trainer log and the checkpoint dir and, when Debian's ``prometheus`` is on
+PATH, a Prometheus on loopback scraping tqmon with the shipped alert rules. A one-screen summary
+refreshes in the terminal. Ctrl-C (or SIGTERM) stops everything it started, Ray included.
 """
 
 from __future__ import annotations
 
-import re
+import os
+import shutil
+import signal
+import subprocess
+import sys
 import tempfile
-import threading
-from datetime import datetime
-from importlib.resources import files
+import time
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass, field
 from pathlib import Path
+from types import FrameType
+from typing import Any, TextIO
 
 import click
+import httpx
 
-from tqmon.server import serve_forever
-from tqmon.service import ServiceConfig
+from tqmon.rules import render as render_rules
+from tqmon.sim.scenarios import CHECKPOINT_DIR, LOG_FILE, SCENARIOS
+from tqmon.warmup import PROMPT_STATUSES
 
-TIMESTAMP = re.compile(r"\d{4}-\d{2}-\d{2} \d{2}:\d{2}:\d{2},\d{3}")
-
-
-def bundled_log() -> list[str]:
-    return files("tqmon").joinpath("data/demo-resume.log").read_text().splitlines()
-
-
-def _restamp(line: str) -> str:
-    now = datetime.now()
-    return TIMESTAMP.sub(now.strftime("%Y-%m-%d %H:%M:%S,") + f"{now.microsecond // 1000:03d}", line, count=1)
+CLEAR = "\x1b[H\x1b[2J"
+STOP_SECONDS = 20.0  # per child, before SIGKILL
 
 
-def replay(lines: list[str], target: Path, speed: float, stop: threading.Event) -> None:
-    with target.open("a", encoding="utf-8") as out:
-        for line in lines:
-            if stop.wait(1.0 / speed):
-                return
-            out.write(_restamp(line) + "\n")
-            out.flush()
+@dataclass
+class Child:
+    """A process the demo started; stopped with SIGTERM, then SIGKILL."""
+
+    name: str
+    proc: subprocess.Popen[bytes]
+    output: Path
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def stop(self) -> None:
+        if self.alive():
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=STOP_SECONDS)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(timeout=STOP_SECONDS)
 
 
-def run_demo(host: str, port: int, speed: float) -> None:
-    with tempfile.TemporaryDirectory(prefix="tqmon-demo-") as tmp:
-        log_path = Path(tmp) / "trainer.log"
-        log_path.touch()
-        stop = threading.Event()
-        writer = threading.Thread(target=replay, args=(bundled_log(), log_path, speed, stop), daemon=True)
-        writer.start()
-        url = f"http://{host}:{port}"
-        click.echo(
-            f"tqmon demo: replaying a verl run (fresh start, healthy resume, over-restore after a config change)\n"
-            f"  trainer log   {log_path}\n"
-            f"  metrics       {url}/metrics\n"
-            f"  status (JSON) {url}/api/v1/status\n"
-            f"  after the replay: tqmon analyze {log_path}\n"
-            "Ctrl-C stops it.",
-            err=True,
+@dataclass
+class Demo:
+    scenario: str
+    workdir: Path
+    listen: tuple[str, int]
+    step_seconds: float
+    steps_after_resume: int
+    prometheus_port: int | None  # None: no Prometheus
+    children: list[Child] = field(default_factory=list)
+
+    @property
+    def url(self) -> str:
+        host, port = self.listen
+        return f"http://{host}:{port}"
+
+    @property
+    def prometheus_url(self) -> str | None:
+        return None if self.prometheus_port is None else f"http://127.0.0.1:{self.prometheus_port}"
+
+    def spawn(self, name: str, command: list[str]) -> Child:
+        output = self.workdir / f"{name}.out"
+        with output.open("ab") as out:
+            proc = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        child = Child(name, proc, output)
+        self.children.append(child)
+        return child
+
+    def start(self, gcs_address: str) -> None:
+        run = self.workdir / "run"
+        scenario = SCENARIOS[self.scenario]
+        python = [sys.executable, "-m"]
+        self.spawn(
+            "trainer",
+            [
+                *python,
+                "tqmon.sim",
+                f"--scenario={self.scenario}",
+                f"--workdir={run}",
+                f"--ray-address={gcs_address}",
+                f"--step-seconds={self.step_seconds}",
+                f"--steps-after-resume={self.steps_after_resume}",
+                "--hold",
+            ],
         )
+        host, port = self.listen
+        self.spawn(
+            "tqmon",
+            [
+                *python,
+                "tqmon.cli",
+                "serve",
+                f"--listen={host}:{port}",
+                f"--state-dir={self.workdir / 'state'}",
+                f"--log={run / LOG_FILE}",
+                f"--checkpoint-dir={run / CHECKPOINT_DIR}",
+                f"--ray-address={gcs_address}",
+                "--log-interval=0.5",
+                "--checkpoint-interval=1",
+                "--tq-min-interval=1",
+                "--tq-max-interval=2",
+                *scenario.after.tqmon_flags(),
+            ],
+        )
+        if self.prometheus_port is not None:
+            self.spawn("prometheus", prometheus_command(self.workdir, self.prometheus_port, self.listen))
+
+    def stop(self) -> None:
+        for child in reversed(self.children):  # Prometheus and tqmon first, the trainer (and its TQ) last
+            child.stop()
+
+
+def prometheus_command(workdir: Path, port: int, target: tuple[str, int]) -> list[str]:
+    """Prometheus on loopback scraping tqmon every 2 s with the shipped rules."""
+    rules = workdir / "tqmon-rules.yml"
+    rules.write_text(render_rules())
+    config = workdir / "prometheus.yml"
+    config.write_text(
+        "global:\n  scrape_interval: 2s\n  evaluation_interval: 2s\n"
+        f"rule_files: ['{rules}']\n"
+        "scrape_configs:\n  - job_name: tqmon\n    static_configs:\n"
+        f"      - targets: ['{target[0]}:{target[1]}']\n"
+    )
+    return [
+        "prometheus",
+        f"--config.file={config}",
+        f"--storage.tsdb.path={workdir / 'prometheus'}",
+        f"--web.listen-address=127.0.0.1:{port}",
+        "--log.level=warn",
+    ]
+
+
+# ---------------------------------------------------------------- the summary screen
+
+
+def _count(value: Any) -> str:
+    return "-" if value is None else str(value)
+
+
+def window_line(status: Mapping[str, Any]) -> str:
+    train = next((w for w in status.get("windows", []) if w["partition"] == "train"), None)
+    target = status.get("target_window")
+    if train is None:
+        return f"live window (train): not seen yet · target {_count(target)}"
+    counts = train["by_status"]
+    parts = " · ".join(f"{s} {counts.get(s, 0)}" for s in PROMPT_STATUSES)
+    total = sum(counts.values())
+    extra = f" · orphan trajectories {train['orphan_trajectories']}" if train.get("orphan_trajectories") else ""
+    return f"live window (train): {parts} = {total} of target {_count(target)} → {status['window_status']}{extra}"
+
+
+def resume_line(record: Mapping[str, Any] | None) -> str:
+    if record is None:
+        return "last start: none yet"
+    start = f"resume from step {record['checkpoint_step']}" if record["resumed"] else "fresh start"
+    split = record.get("restored_by_status") or {}
+    detail = ", ".join(f"{s} {n}" for s, n in split.items() if n and s != "unknown")
+    restored = _count(record["restored"]) + (f" ({detail})" if detail else "")
+    doomed = record.get("doomed")
+    numbers = (
+        f"R {restored} · K {_count(record['reissued'])} · T {_count(record['target'])} · "
+        f"M expected {_count(record['expected'])} / submitted {_count(record['submitted'])} · "
+        f"O {_count(record['over_restored'])} · doomed {_count(sum(doomed.values()) if doomed else None)} · "
+        f"deficit {_count(record['under_submitted'])}"
+    )
+    return f"last start: {start} · {numbers} · {record['warmup_state']}\n  verdict: {record['verdict']}"
+
+
+def summary(demo: Demo, status: Mapping[str, Any] | None, alerts: list[str] | None, problem: str | None = None) -> str:
+    """The one screen: where everything is, the live window against the target, the last start's verdict."""
+    run = demo.workdir / "run"
+    lines = [
+        f"tqmon demo · scenario {demo.scenario}: {SCENARIOS[demo.scenario].summary}",
+        f"  tqmon       {demo.url}/   metrics {demo.url}/metrics   status {demo.url}/api/v1/status",
+    ]
+    if demo.prometheus_url is not None:
+        lines.append(f"  prometheus  {demo.prometheus_url}/   alerts {demo.prometheus_url}/alerts")
+    lines.append(f"  trainer log {run / LOG_FILE}   checkpoints {run / CHECKPOINT_DIR}")
+    lines.append("")
+    if status is None:
+        lines.append(f"waiting for tqmon… {problem or ''}".rstrip())
+    else:
+        sources = " · ".join(f"{s['source']} {'up' if s['up'] else 'down'}" for s in status["sources"])
+        tq = status.get("tq") or {}
+        lines += [
+            f"sources: {sources}",
+            f"trainer step {_count(status['trainer_step'])} · TQ controller epoch {tq.get('epochs', 0)}, "
+            f"polled every {tq.get('interval', 0):.1f} s, {_count(tq.get('reply_keys'))} keys",
+            window_line(status),
+            resume_line(status["records"][-1] if status["records"] else None),
+        ]
+    if alerts is not None:
+        lines.append("firing alerts: " + (", ".join(alerts) if alerts else "none"))
+    lines += ["", "Ctrl-C stops everything the demo started."]
+    return "\n".join(lines)
+
+
+def poll(demo: Demo) -> tuple[dict[str, Any] | None, list[str] | None, str | None]:
+    try:
+        status = httpx.get(demo.url + "/api/v1/status", timeout=2).json()
+    except httpx.HTTPError as err:
+        return None, None, str(err)
+    alerts: list[str] | None = None
+    if demo.prometheus_url is not None:
         try:
-            serve_forever(
-                ServiceConfig(host=host, port=port, state_dir=Path(tmp) / "state", log_patterns=(str(log_path),))
-            )
-        finally:
-            stop.set()
-            writer.join(timeout=2)
+            body = httpx.get(demo.prometheus_url + "/api/v1/alerts", timeout=2).json()
+            alerts = sorted({a["labels"]["alertname"] for a in body["data"]["alerts"] if a["state"] == "firing"})
+        except (httpx.HTTPError, KeyError, ValueError):
+            alerts = None
+    return status, alerts, None
+
+
+# ---------------------------------------------------------------- lifecycle
+
+
+@contextmanager
+def ray_cluster() -> Iterator[str]:
+    """A local Ray (4 logical CPUs: TQ's controller and storage unit need them), on loopback; yields its address."""
+    os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+    os.environ.setdefault("RAY_DISABLE_FAILURE_SIGNAL_HANDLER", "1")  # Ctrl-C/SIGTERM must clean up, not dump
+    import ray
+
+    context: Any = ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
+    try:
+        yield str(context.address_info["gcs_address"])
+    finally:
+        ray.shutdown()
+
+
+@contextmanager
+def interrupt_on_sigterm() -> Iterator[None]:
+    def handle(_signum: int, _frame: FrameType | None) -> None:
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGTERM, handle)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def run_demo(
+    scenario: str,
+    listen: tuple[str, int],
+    *,
+    step_seconds: float,
+    steps_after_resume: int,
+    prometheus: bool | None,
+    workdir: Path | None,
+    out: TextIO = sys.stdout,
+    refresh: float = 1.0,
+) -> None:
+    """Run until Ctrl-C; ``prometheus=None`` starts one if it is installed."""
+    if prometheus is None:
+        prometheus = shutil.which("prometheus") is not None
+    elif prometheus and shutil.which("prometheus") is None:
+        raise click.UsageError("--prometheus needs Debian's prometheus on PATH (apt-get install prometheus)")
+    keep = workdir is not None
+    root = workdir or Path(tempfile.mkdtemp(prefix="tqmon-demo-"))
+    root.mkdir(parents=True, exist_ok=True)
+    demo = Demo(scenario, root, listen, step_seconds, steps_after_resume, _free_port() if prometheus else None)
+    draw: Callable[[str], None] = _screen(out)
+    try:
+        with ray_cluster() as gcs, interrupt_on_sigterm():  # after ray.init, which sets its own handler
+            demo.start(gcs)
+            try:
+                while True:
+                    draw(summary(demo, *poll(demo)))
+                    dead = [c for c in demo.children if not c.alive()]
+                    if dead:
+                        tail = dead[0].output.read_text(errors="replace")[-2000:]
+                        raise click.ClickException(f"{dead[0].name} exited with {dead[0].proc.returncode}:\n{tail}")
+                    time.sleep(refresh)
+            except KeyboardInterrupt:
+                out.write("\nstopping the demo…\n")
+            finally:
+                demo.stop()
+    finally:
+        if not keep:
+            shutil.rmtree(root, ignore_errors=True)
+    out.write(f"stopped: {', '.join(c.name for c in demo.children)} and the Ray cluster\n")
+    out.flush()
+
+
+def _screen(out: TextIO) -> Callable[[str], None]:
+    """Redraw in place on a terminal; elsewhere (a pipe, CI) print each new screen once."""
+    last: list[str] = [""]
+
+    def draw(text: str) -> None:
+        if out.isatty():
+            out.write(CLEAR + text + "\n")
+        elif text != last[0]:
+            out.write(text + "\n\n")
+        last[0] = text
+        out.flush()
+
+    return draw
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])

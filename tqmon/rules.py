@@ -7,8 +7,9 @@ the build instead of silently blinding an alert. Thresholds and selectors are fi
 
 from __future__ import annotations
 
+import re
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -19,8 +20,8 @@ from tqmon.catalog import BY_NAME
 RULES_FILE = Path(__file__).resolve().parent.parent / "deploy" / "prometheus" / "tqmon-rules.yml"
 RESUME_DASHBOARD_UID = "tqmon-resume"
 FLEET_DASHBOARD_UID = "tqmon-fleet"
-RECORD_GROUP = "tqmon.rules"
-ALERT_GROUP = "tqmon.alerts"
+GROUP = "tqmon"
+DURATION = re.compile(r"(\d+(ms|s|m|h|d|w|y))+")
 
 # Recording rules (level:metric:operations); the dashboards read them too.
 WINDOW_TOTAL = "tqmon:window_prompt_groups:sum"
@@ -31,31 +32,46 @@ DOOMED_TOTAL = "tqmon:resume_doomed_prompt_groups:sum"
 USEFUL_AFTER_WARMUP = "tqmon:resume_useful_prompt_groups:sum"
 
 
+def _param(default: Any, help: str) -> Any:
+    """A RuleConfig field; its help is what `tqmon rules --help` and the README show."""
+    return field(default=default, metadata={"help": help})
+
+
 @dataclass(frozen=True, slots=True)
 class RuleConfig:
     """Every threshold and selector of the shipped rules; the defaults are what the runbooks describe."""
 
-    selector: str = 'job="tqmon"'  # label matchers of the tqmon scrape job, added to every selector
-    runbook_base_url: str = "https://github.com/tqmon/tqmon/blob/main/docs/runbooks/"  # + "<Alert>.md"
-    grafana_url: str = "https://grafana.example.com"  # dashboard_url links to its /d/<uid>
-    fill_ratio_threshold: float = 0.9  # live window below this share of T reads under-filled
-    under_filled_for: str = "10m"
-    resume_window_seconds: int = 7200  # resume alerts look only this long after the last start
-    progress_window: str = "10m"  # the trainer is progressing if its step changed within this range
-    over_fill_ratio_threshold: float = 1.0  # live window above this share of T reads over target
-    over_target_for: str = "30m"
-    decision_for: str = "1m"  # alerts on the warmup decision's numbers, which settle within seconds
-    doomed_share_threshold: float = 0.25  # doomed restored groups as a share of T
-    stale_groups_threshold: int = 0  # stale restored groups tolerated
-    orphan_threshold: int = 1000  # orphan trajectory keys in the train partition
-    orphans_for: str = "30m"
-    source_for: str = "5m"  # source down / stale
-    source_stale_seconds: int = 600  # no success for this long (2x tqmon's default --stale-after)
-    push_sources: tuple[str, ...] = ("events",)  # only succeed when the trainer pushes: never stale
-    down_for: str = "5m"
-    absent_for: str = "15m"
-    stall_for: str = "30m"  # no step for 5m, continuously for this long, while the trainer talks
-    trainer_active_seconds: int = 600  # the trainer counts as alive if heard from this recently
+    selector: str = _param('job="tqmon"', "Label matchers of the tqmon scrape job, added to every selector.")
+    runbook_base_url: str = _param(
+        "https://github.com/tqmon/tqmon/blob/main/docs/runbooks/", "runbook_url is this + <Alert>.md."
+    )
+    grafana_url: str = _param("https://grafana.example.com", "dashboard_url links to its /d/<uid>.")
+    fill_ratio_threshold: float = _param(0.9, "Live window below this share of T reads under-filled.")
+    under_filled_for: str = _param("10m", "How long the window must stay under-filled after a resume.")
+    resume_window_seconds: int = _param(7200, "Resume alerts look only this long after the last start.")
+    progress_window: str = _param("10m", "The trainer is progressing if its step changed within this range.")
+    over_fill_ratio_threshold: float = _param(1.0, "Live window above this share of T reads over target.")
+    over_target_for: str = _param("30m", "How long the window must stay over target.")
+    decision_for: str = _param("1m", "for: of the alerts on the warmup decision (its numbers settle in seconds).")
+    doomed_share_threshold: float = _param(0.25, "Doomed restored groups, as a share of T, that alert.")
+    stale_groups_threshold: int = _param(0, "Stale restored groups tolerated.")
+    orphan_threshold: int = _param(1000, "Orphan trajectory keys in the train partition that alert.")
+    orphans_for: str = _param("30m", "How long orphans must stay above the threshold.")
+    source_for: str = _param("5m", "for: of the source down and source stale alerts.")
+    source_stale_seconds: int = _param(600, "A source is stale after this long without success.")
+    push_sources: tuple[str, ...] = _param(("events",), "Sources that succeed only when pushed to: never stale.")
+    down_for: str = _param("5m", "for: of TQMonDown (up == 0).")
+    absent_for: str = _param("15m", "for: of TQMonAbsent (no tqmon target at all).")
+    stall_for: str = _param("30m", "No step for 5m, continuously for this long, while the trainer talks.")
+    trainer_active_seconds: int = _param(600, "The trainer counts as alive if heard from this recently.")
+
+    def __post_init__(self) -> None:
+        for spec in fields(self):
+            value = getattr(self, spec.name)
+            if spec.name.endswith(("_for", "_window")) and isinstance(value, str) and not DURATION.fullmatch(value):
+                raise ValueError(f"{spec.name} must be a Prometheus duration like 10m or 1h30m, got {value!r}")
+            if isinstance(value, int | float) and value < 0:
+                raise ValueError(f"{spec.name} must not be negative, got {value}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -277,14 +293,14 @@ def alert_rule(config: RuleConfig, alert: Alert) -> dict[str, Any]:
 
 
 def rule_groups(config: RuleConfig | None = None) -> dict[str, Any]:
-    """The whole rules file as data: recording rules first, so alerts read this evaluation's values."""
+    """The whole rules file as data: one group, recording rules first.
+
+    Prometheus evaluates the rules of a group in order but groups concurrently, so alerts that read the
+    recording rules sit in their group, after them, and see this evaluation's values, not the last one's.
+    """
     config = config or RuleConfig()
-    return {
-        "groups": [
-            {"name": RECORD_GROUP, "rules": recording_rules(config)},
-            {"name": ALERT_GROUP, "rules": [alert_rule(config, alert) for alert in alerts(config)]},
-        ]
-    }
+    rules = [*recording_rules(config), *(alert_rule(config, alert) for alert in alerts(config))]
+    return {"groups": [{"name": GROUP, "rules": rules}]}
 
 
 class _Dumper(yaml.SafeDumper):  # type: ignore[misc]  # PyYAML ships no type hints

@@ -22,6 +22,7 @@ from pydantic import BaseModel, TypeAdapter, ValidationError
 from tqmon import __version__
 from tqmon.events import EVENT_TYPE_NAMES, Event, describe_validation
 from tqmon.exporters.prometheus import render
+from tqmon.report import verdict
 from tqmon.service import ConfigError, Service, ServiceConfig
 
 EVENTS_ADAPTER: TypeAdapter[list[Event]] = TypeAdapter(list[Event])
@@ -76,7 +77,7 @@ def create_app(service: Service) -> FastAPI:
     def landing() -> str:
         snapshot = service.tracker.snapshot
         record = snapshot.last_record
-        verdict = "no resume observed yet" if record is None else f"last start: {record.warmup_state}"
+        summary = "no resume observed yet" if record is None else f"last start: {verdict(record)}"
         links = "".join(
             f'<li><a href="{href}">{html.escape(label)}</a></li>'
             for href, label in (
@@ -89,7 +90,7 @@ def create_app(service: Service) -> FastAPI:
         )
         return (
             f"<!doctype html><html><head><title>tqmon</title></head><body><h1>tqmon {__version__}</h1>"
-            f"<p>{html.escape(verdict)}; {snapshot.resumes_total} resumes.</p><ul>{links}</ul></body></html>"
+            f"<p>{html.escape(summary)}; {snapshot.resumes_total} resumes.</p><ul>{links}</ul></body></html>"
         )
 
     @app.get("/metrics", include_in_schema=False)
@@ -135,7 +136,7 @@ def create_app(service: Service) -> FastAPI:
             "resumes_total": snapshot.resumes_total,
             "records_total": snapshot.records_total,
             "records_offset": start,
-            "records": [r.to_json() for r in service.tracker.records(start, limit)],
+            "records": [r.to_json() | {"verdict": verdict(r)} for r in service.tracker.records(start, limit)],
         }
 
     @app.post(

@@ -127,6 +127,8 @@ def derive_record(
     target = obs.target if obs.target is not None else window_target(config)
 
     predicted = decide_warmup(config, restored, resumed=obs.resumed) if config and restored is not None else None
+    if predicted is not None and obs.target is not None and predicted.target != obs.target:
+        predicted = None  # the trainer ran with another config than tqmon knows: what it logged wins
     expected: int | None = None
     if predicted is not None:
         expected = predicted.submitted

@@ -11,12 +11,14 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from types import FrameType
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import click
 
-from tqmon.sim.scenarios import SCENARIOS
-from tqmon.sim.trainer import CHECKPOINT_DIR, LOG_FILE, SimReport, Stopped, check_workdir, run_scenario
+from tqmon.sim.scenarios import CHECKPOINT_DIR, LOG_FILE, SCENARIOS
+
+if TYPE_CHECKING:
+    from tqmon.sim.trainer import SimReport
 
 FC = TypeVar("FC", bound=Callable[..., Any])
 EXIT_STOPPED = 130
@@ -45,7 +47,6 @@ def stop_on_signals() -> Iterator[threading.Event]:
 
 def connect(address: str | None) -> None:
     """Start a local Ray (4 logical CPUs: TQ's controller and storage unit need them) or join ``address``."""
-    os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")  # keep Ray on 127.0.0.1
     import ray
 
     if address is None:
@@ -139,6 +140,12 @@ def sim(
     if list_scenarios:
         click.echo(describe_scenarios())
         return
+    # Ray reads these when it is imported, with the trainer: torch, Ray and TransferQueue, which are imported
+    # here so that `tqmon --help` does not wait for them.
+    os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")  # keep Ray on 127.0.0.1
+    os.environ.setdefault("RAY_DISABLE_FAILURE_SIGNAL_HANDLER", "1")  # SIGTERM is how it stops: no trace dump
+    from tqmon.sim.trainer import Stopped, check_workdir, run_scenario
+
     chosen = SCENARIOS[scenario]
     workdir = workdir or Path(tempfile.mkdtemp(prefix=f"tqmon-sim-{scenario}-"))
     click.echo(f"scenario {scenario}: {chosen.summary}", err=True)

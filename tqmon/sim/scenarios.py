@@ -12,6 +12,8 @@ import math
 from dataclasses import dataclass, field, replace
 
 VERL_VERSIONS = ("0.9.1", "0.9.0")
+LOG_FILE = "trainer.log"  # in the workdir: verl's log lines
+CHECKPOINT_DIR = "checkpoints"  # in the workdir: verl's trainer.default_local_dir
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,6 +53,7 @@ class TrainerSettings:
     save_freq: int = 2  # trainer.save_freq
     save_tq_state: bool = True  # False: checkpoints without transfer_queue/ (a verl that did not save it)
     verl_version: str = "0.9.1"  # "0.9.0": unconditional warmup of whole batches, no "Restored" line
+    count_every_key: bool = False  # not a knob but a trainer bug: R counts trajectory keys as prompt groups too
 
     def __post_init__(self) -> None:
         if self.verl_version not in VERL_VERSIONS:
@@ -104,6 +107,7 @@ LEGACY = replace(HEALTHY, verl_version="0.9.0")
 SKIP = replace(HEALTHY, skip_rollout_tq=True)
 DOOMED = replace(HEALTHY, max_off_policy_threshold=2)
 NO_TQ = replace(HEALTHY, save_tq_state=False)
+MISCOUNTED = replace(HEALTHY, num_warmup_batches=5, count_every_key=True)
 
 SCENARIOS: dict[str, Scenario] = {
     s.name: s
@@ -141,6 +145,13 @@ SCENARIOS: dict[str, Scenario] = {
             LEGACY,
             LEGACY,
             steps_after_resume=2,
+        ),
+        Scenario(
+            "miscounted-restore",
+            "a trainer bug counts trajectory keys as restored groups (30 for a 20-prompt window, really 8):"
+            " the warmup adds nothing and the live window stays under-filled",
+            HEALTHY,
+            MISCOUNTED,
         ),
         Scenario(
             "no-tq-checkpoint",

@@ -28,11 +28,9 @@ import transfer_queue as tq
 
 from tqmon.sim.replay import STATUSES, ReplayBuffer, Sample, Window, log_window
 from tqmon.sim.rollout import PARTITION, Rollout, prompt_fields
-from tqmon.sim.scenarios import Scenario, TrainerSettings
+from tqmon.sim.scenarios import CHECKPOINT_DIR, LOG_FILE, Scenario, TrainerSettings
 
 LOG_FORMAT = "%(levelname)s:%(asctime)s:%(message)s"  # verl's
-LOG_FILE = "trainer.log"
-CHECKPOINT_DIR = "checkpoints"
 LATEST_FILE = "latest_checkpointed_iteration.txt"
 CONTROLLER = ("TransferQueueController", "transfer_queue")  # the named actor and its namespace
 TQ_CONFIG = {"backend": {"SimpleStorage": {"num_data_storage_units": 1, "total_storage_size": 100_000}}}
@@ -60,6 +58,7 @@ class StartReport:
     controller_id: str  # the TQ controller actor of this start
     restored: int  # R
     restored_by_status: dict[str, int]
+    counted: int  # R as the trainer counted, logged and warmed up with: R unless it miscounts (count_every_key)
     reissued: int  # K
     cleared_trajectories: int
     target: int | None  # T, None when the warmup is disabled (verl never computes it then)
@@ -166,7 +165,7 @@ class TrainerProcess:
     # ---------------------------------------------------------------- checkpoints
 
     def load_checkpoint(self) -> tuple[int | None, int]:
-        """``_load_checkpoint`` with ``resume_mode=auto``: (N or None, restored prompt groups R)."""
+        """``_load_checkpoint`` with ``resume_mode=auto``: (N or None, restored prompt groups R as counted)."""
         latest = self.checkpoint_dir / LATEST_FILE
         if not latest.exists():
             self.log.info("Training from scratch")
@@ -180,7 +179,10 @@ class TrainerProcess:
         if tq_path.exists():
             self.log.info(f"Loading TransferQueue state from {tq_path}")
             tq.load_checkpoint(tq_path)
-            restored = len(Window.read().prompts)  # _count_tq_prompt_groups
+            window = Window.read()
+            restored = len(window.prompts)  # _count_tq_prompt_groups
+            if self.settings.count_every_key:
+                restored += sum(len(keys) for keys in window.trajectories.values())
             if self.settings.verl_version != "0.9.0":  # 0.9.0 neither counts nor logs it
                 self.log.info(f"Restored {restored} training prompt groups from TransferQueue")
         return self.global_steps, restored
@@ -267,11 +269,12 @@ class TrainerProcess:
         if steps < 1:
             raise ValueError("a start trains at least one step")
         tq.init(tq_config())
-        resumed_from, restored = self.load_checkpoint()
+        resumed_from, counted = self.load_checkpoint()
         by_status = Window.read().by_status()
+        restored = sum(by_status.values())
         self.global_steps += 1
         reissued, cleared = self._reissue_inflight_prompts()
-        target, submitted = self._warmup(restored)
+        target, submitted = self._warmup(counted)
         doomed = self._step().first_evictions
         for _ in range(steps - 1):
             self._step()
@@ -282,6 +285,7 @@ class TrainerProcess:
             controller_id=controller_id(),
             restored=restored,
             restored_by_status=by_status,
+            counted=counted,
             reissued=reissued,
             cleared_trajectories=cleared,
             target=target,
