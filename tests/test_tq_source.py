@@ -12,9 +12,12 @@ The window put in ``fill_window`` (trainer step unknown to tqmon, so the newest 
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import signal
+import subprocess
+import sys
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -27,7 +30,7 @@ import pytest
 from tests.conftest import sample_value
 from tests.test_checkpoint import prompt_fields, put_prompts, put_trajectories
 from tqmon.snapshot import TQPollView
-from tqmon.sources.tq import ControllerClient, PollBudget, TQSource, windows_from
+from tqmon.sources.tq import PollBudget, PollerProcess, TQSource, windows_from
 from tqmon.store import StateStore
 from tqmon.tracker import Tracker
 
@@ -254,7 +257,7 @@ def test_a_budget_stretched_interval_keeps_the_source_up_and_its_window_fresh(tm
     now = 1_000_000.0
     tracker = Tracker(StateStore(None), stale_after=300.0, clock=lambda: now)
     budget = PollBudget(budget=0.01, min_interval=1.0, max_interval=15.0)
-    source = TQSource(tracker, ControllerClient("127.0.0.1:1", timeout=5.0), budget)
+    source = TQSource(tracker, PollerProcess("127.0.0.1:1", timeout=5.0), budget)
     budget.record(5.4)
     interval = budget.interval(now)
     assert interval == pytest.approx(540.0)
@@ -272,3 +275,53 @@ def test_a_budget_stretched_interval_keeps_the_source_up_and_its_window_fresh(tm
     assert next(s for s in snapshot.sources if s.source == "tq").up(later)
     assert not next(s for s in snapshot.sources if s.source == "tq").up(now + horizon + 1)
     assert snapshot.fresh_windows(now + horizon + 1) == ()
+
+
+TRAINER = """
+import os, sys, time
+import ray, transfer_queue as tq
+from omegaconf import OmegaConf
+context = ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
+tq.init(OmegaConf.create({"backend": {"SimpleStorage": {"num_data_storage_units": 1, "total_storage_size": 100}}}))
+tq.kv_batch_put(keys=["p0"], partition_id="train", tags=[{"is_prompt": True, "status": "pending", "global_steps": 3}])
+print(context.address_info["gcs_address"], flush=True)
+time.sleep(3600)
+"""
+
+
+def test_the_whole_cluster_going_away_costs_the_poller_not_tqmon(tmp_path: Path, tqmon_factory) -> None:
+    """A preempted node takes its Ray cluster along; Ray then ends every driver, which must not be tqmon."""
+    trainer = subprocess.Popen(
+        [sys.executable, "-c", TRAINER],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        assert trainer.stdout is not None
+        address = trainer.stdout.readline().strip()
+        log = tmp_path / "trainer.log"
+        log.write_text("")
+        # Ray ends a driver 60 s after losing its GCS; 5 s here so the poller process dies within the test.
+        env = {"RAY_gcs_rpc_server_reconnect_timeout_s": "5", "RAY_AUTH_MODE": "token"}
+        args = ["--ray-address", address, "--log", str(log), "--log-interval", "0.2", *FAST]
+        proc = tqmon_factory(args, env=env).start()
+        wait_for(proc, lambda t: value(t, f'tqmon_window_prompt_groups{{{TRAIN},status="pending"}}') == 1)
+        os.killpg(trainer.pid, signal.SIGKILL)  # the trainer and its whole Ray cluster
+        text = wait_for(proc, lambda t: value(t, 'tqmon_source_up{source="tq"}') == 0)
+        assert "tqmon_window_prompt_groups{" not in text
+        time.sleep(15)  # past Ray's reconnect timeout: the poller process has been ended at least once
+        assert proc.proc is not None and proc.proc.poll() is None, proc.log_path.read_text()[-2000:]
+        now = time.strftime("%Y-%m-%d %H:%M:%S")
+        log.write_text(f"INFO:{now},000:Resuming from /ckpt/global_step_3, setting global step to 3\n")
+        text = wait_for(proc, lambda t: value(t, "tqmon_resumes_total") == 1)  # the other sources carry on
+        assert value(text, 'tqmon_source_up{source="log"}') == 1
+        assert value(text, 'tqmon_source_up{source="tq"}') == 0
+        unavailable = value(text, 'tqmon_source_errors_total{reason="unavailable",source="tq"}') or 0
+        timeouts = value(text, 'tqmon_source_errors_total{reason="timeout",source="tq"}') or 0
+        assert unavailable + timeouts >= 2
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(trainer.pid, signal.SIGKILL)
+        trainer.wait(timeout=30)

@@ -13,7 +13,7 @@ from tqmon.events import TrainerConfig
 from tqmon.exporters.prometheus import build_registry
 from tqmon.sources.checkpoint import CheckpointSource
 from tqmon.sources.logfile import LogSource, parse_jsonl
-from tqmon.sources.tq import ControllerClient, PollBudget, TQSource
+from tqmon.sources.tq import PollBudget, PollerProcess, TQSource
 from tqmon.store import StateStore
 from tqmon.tracker import Tracker
 
@@ -108,7 +108,7 @@ class Service:
             else None
         )
         self.tq_source = (
-            TQSource(self.tracker, ControllerClient(config.ray_address, config.tq_timeout), config.tq_budget)
+            TQSource(self.tracker, PollerProcess(config.ray_address, config.tq_timeout), config.tq_budget)
             if config.ray_address
             else None
         )

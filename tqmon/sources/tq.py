@@ -1,20 +1,28 @@
 """``--ray-address``: the live prefetch window, read from the trainer's TransferQueue controller.
 
-The sidecar is a guest in the trainer's cluster. It joins the Ray cluster as a driver, looks up the
-named actor ``TransferQueueController`` (namespace ``transfer_queue``) and reads every partition with
-one ``kv_list`` request over its own ZMQ client. It never calls ``tq.init()``/``tq.close()``, creates no
-actor, has no storage manager (it cannot put, get or clear data), bounds every call with a timeout,
-and spaces its polls so its share of the controller's single request thread stays under a budget.
+The sidecar is a guest in the trainer's cluster. A child process joins the Ray cluster as a driver, looks
+up the named actor ``TransferQueueController`` (namespace ``transfer_queue``), reads every partition with
+one ``kv_list`` request over its own ZMQ client and sends back only the aggregate. It never calls
+``tq.init()``/``tq.close()``, creates no actor, has no storage manager (it cannot put, get or clear data),
+and every call is bounded by a timeout; the service spaces the polls so its share of the controller's single
+request thread stays under a budget.
+
+Why a child process: Ray ends a driver whose cluster is gone (after 60 s without its GCS), and decoding a
+million-key reply holds the GIL for a second. In the child, the first is a restart of the poller, not of
+tqmon and its other sources, and the second does not stall ``/metrics``.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import multiprocessing
 import os
+import signal
 import threading
 import time
 from dataclasses import dataclass
+from multiprocessing.connection import Connection
 from typing import Any
 
 from tqmon.catalog import AGE_BUCKETS, PARTITIONS
@@ -27,6 +35,7 @@ CONTROLLER_NAME = "TransferQueueController"
 CONTROLLER_NAMESPACE = "transfer_queue"
 TRAIN = "train"
 MIN_HORIZON = 30.0  # seconds a poll stays fresh at least
+STARTUP_GRACE = 60.0  # a new poller process imports Ray and TransferQueue and joins the cluster
 log = logging.getLogger(__name__)
 
 
@@ -78,19 +87,24 @@ class PollBudget:
         return None if self.cost is None else self.cost / (self.cost + interval)
 
 
+def compose_partitions(reply: dict[str, dict[str, Any]]) -> tuple[dict[str, Composition], int]:
+    """``train`` and ``val`` of one ``kv_list`` reply, and the reply's key count."""
+    return {p: compose(reply.get(p) or {}) for p in PARTITIONS}, sum(len(tags) for tags in reply.values())
+
+
+def windows_of(
+    compositions: dict[str, Composition], trainer_step: int | None, observed_at: float, max_age: float | None = None
+) -> list[WindowView]:
+    """The live windows. Ages are the trainer step minus each group's tag ``global_steps``; without a
+    trainer step from another source, the newest tag stands in for it."""
+    return [_window(p, c, trainer_step, observed_at, max_age) for p, c in compositions.items()]
+
+
 def windows_from(
     reply: dict[str, dict[str, Any]], trainer_step: int | None, observed_at: float, max_age: float | None = None
 ) -> tuple[list[WindowView], int]:
-    """Windows of ``train`` and ``val`` from one ``kv_list`` reply, and the reply's key count.
-
-    Ages are the trainer step minus each group's tag ``global_steps``; without a trainer step from
-    another source, the newest tag stands in for it.
-    """
-    views: list[WindowView] = []
-    for partition in PARTITIONS:
-        composition = compose(reply.get(partition) or {})
-        views.append(_window(partition, composition, trainer_step, observed_at, max_age))
-    return views, sum(len(tags) for tags in reply.values())
+    compositions, keys = compose_partitions(reply)
+    return windows_of(compositions, trainer_step, observed_at, max_age), keys
 
 
 def _window(
@@ -192,13 +206,122 @@ class ControllerClient:
         self._loop.close()
 
 
+@dataclass(frozen=True, slots=True)
+class Reading:
+    """One poll's result, small enough to cross a pipe (the aggregate, never the reply)."""
+
+    controller_id: str
+    new_controller: bool
+    compositions: dict[str, Composition]
+    keys: int
+    cost: float  # seconds kv_list took
+
+
+_ERRORS: dict[str, type[Exception]] = {
+    "unavailable": TQUnavailable,
+    "timeout": TimeoutError,
+    "invalid_data": CompositionError,
+}
+
+
+def read_controller(client: ControllerClient, kv_timeout: float) -> Reading:
+    client.connect()
+    new_controller = client.find()
+    started = time.monotonic()
+    reply = client.kv_list(kv_timeout)
+    cost = time.monotonic() - started
+    compositions, keys = compose_partitions(reply)
+    return Reading(client.controller_id or "", new_controller, compositions, keys, cost)
+
+
+def _poller_main(conn: Connection, address: str, timeout: float) -> None:
+    """The child: answers ``kv_timeout`` requests with a Reading or ``(kind, message)`` until the pipe closes."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole process group; the parent decides
+    client = ControllerClient(address, timeout)
+    while True:
+        try:
+            kv_timeout = conn.recv()
+        except (EOFError, OSError):
+            return  # tqmon is gone
+        try:
+            answer: Reading | tuple[str, str] = read_controller(client, kv_timeout)
+        except (TQUnavailable, TimeoutError, CompositionError) as err:
+            kind = next(k for k, cls in _ERRORS.items() if isinstance(err, cls))
+            answer = (kind, str(err))
+        except Exception as err:  # report a bug as this poll's failure; the next request tries again
+            answer = ("unavailable", f"{type(err).__name__}: {err}")
+        conn.send(answer)
+
+
+class PollerProcess:
+    """The parent's handle on the child that talks to Ray; restarts it when it dies or stops answering."""
+
+    def __init__(self, address: str, timeout: float) -> None:
+        self.address = address
+        self.timeout = timeout
+        self._context = multiprocessing.get_context("spawn")  # no fork of a threaded server
+        self._process: Any = None
+        self._conn: Connection | None = None
+        self._fresh = False
+
+    def read(self, kv_timeout: float) -> Reading:
+        """Raises TQUnavailable, TimeoutError or CompositionError, like a poll in this process would."""
+        if self._process is None or not self._process.is_alive():
+            self._start()
+        conn, process = self._conn, self._process  # close() may run concurrently (tqmon stopping)
+        assert conn is not None and process is not None
+        wait = 2 * self.timeout + kv_timeout + (STARTUP_GRACE if self._fresh else 5.0)
+        try:
+            conn.send(kv_timeout)
+            if not conn.poll(wait):
+                self.close()
+                raise TimeoutError(f"the TQ poller process did not answer within {wait:g}s; it will be restarted")
+            answer: Reading | tuple[str, str] = conn.recv()
+        except (EOFError, OSError):
+            code = process.exitcode
+            self.close()
+            log.warning("the TQ poller process exited (code %s); a new one starts at the next poll", code)
+            raise TQUnavailable(
+                f"the TQ poller process exited (code {code}): the Ray cluster at {self.address!r} is gone?"
+            ) from None
+        self._fresh = False
+        if isinstance(answer, Reading):
+            return answer
+        kind, message = answer
+        raise _ERRORS[kind](message)
+
+    def _start(self) -> None:
+        self.close()
+        parent, child = self._context.Pipe()
+        self._process = self._context.Process(
+            target=_poller_main, args=(child, self.address, self.timeout), name="tqmon-tq-poller", daemon=True
+        )
+        self._process.start()
+        child.close()
+        self._conn, self._fresh = parent, True
+
+    def close(self) -> None:
+        conn, process = self._conn, self._process
+        self._process, self._conn = None, None
+        if conn is not None:
+            conn.close()
+        if process is not None:
+            if process.is_alive():
+                process.terminate()
+                process.join(timeout=10)
+            if process.is_alive():
+                process.kill()
+                process.join(timeout=10)
+
+
 class TQSource:
     """Polls the controller on a thread; publishes live windows, or drops them the moment it is lost."""
 
-    def __init__(self, tracker: Tracker, client: ControllerClient, budget: PollBudget) -> None:
+    def __init__(self, tracker: Tracker, poller: PollerProcess, budget: PollBudget) -> None:
         self.tracker = tracker
-        self.client = client
+        self.poller = poller
         self.budget = budget
+        self.controller_id: str | None = None
         self._records_seen = tracker.snapshot.records_total
         self._epochs = tracker.controller_epochs()
         self._lost = False
@@ -212,8 +335,8 @@ class TQSource:
 
     def stop(self) -> None:
         self._stop.set()
-        self._thread.join(timeout=self.client.timeout + 5)
-        self.client.close()
+        self.poller.close()  # ends a poll in flight: its read fails at once
+        self._thread.join(timeout=15)
 
     def _run(self) -> None:
         while not self._stop.is_set():
@@ -222,19 +345,16 @@ class TQSource:
     def poll(self) -> float:
         """One poll; returns the seconds to wait before the next. Never raises."""
         started = time.monotonic()
-        cost = 0.0
         try:
-            self.client.connect()
-            if self.client.find():
+            reading = self.poller.read(self.kv_list_timeout())
+            self.controller_id = reading.controller_id
+            if reading.new_controller:
                 self._new_epoch()
-            call = time.monotonic()
-            reply = self.client.kv_list(self.kv_list_timeout())
-            cost = time.monotonic() - call
-            self.budget.record(cost)
+            self.budget.record(reading.cost)
             snapshot = self.tracker.snapshot
-            interval = self.budget.interval(time.time(), cost)
+            interval = self.budget.interval(time.time(), reading.cost)
             horizon = self.horizon(interval)
-            windows, keys = windows_from(reply, snapshot.trainer_step, time.time(), horizon)
+            windows = windows_of(reading.compositions, snapshot.trainer_step, time.time(), horizon)
         except (TQUnavailable, TimeoutError, CompositionError) as err:
             return self._failed(err, time.monotonic() - started)
         except Exception as err:  # a bug must not kill the thread or leave stale windows served
@@ -242,21 +362,20 @@ class TQSource:
             return self._failed(err, time.monotonic() - started)
         self._maybe_hurry(snapshot.records_total)
         self._lost = False
-        interval = self.budget.interval(time.time(), cost)
-        self.tracker.observe_windows(windows, self._view(interval, keys))
+        self.tracker.observe_windows(windows, self._view(interval, reading.keys))
         self.tracker.source_succeeded(SOURCE, time.monotonic() - started, stale_after=horizon)
         return interval
 
     def kv_list_timeout(self) -> float:
         """``--tq-timeout``, stretched for a window so big that kv_list itself takes longer (1M keys: ~5 s)."""
-        return max(self.client.timeout, 3 * (self.budget.cost or 0.0))
+        return max(self.poller.timeout, 3 * (self.budget.cost or 0.0))
 
     def horizon(self, interval: float) -> float:
         """How long a successful poll stays fresh: until two more polls could have failed."""
         return max(MIN_HORIZON, 3 * interval + self.kv_list_timeout())
 
     def _new_epoch(self) -> None:
-        controller = self.client.controller_id or ""
+        controller = self.controller_id or ""
         self._epochs = self.tracker.controller_epoch(controller, f"TransferQueue controller {controller} found")
         self.budget.hurry(time.time())
         log.info("watching TransferQueue controller %s (epoch %d)", controller, self._epochs)
@@ -268,7 +387,7 @@ class TQSource:
 
     def _failed(self, err: Exception, duration: float) -> float:
         reason = {TimeoutError: "timeout", CompositionError: "invalid_data"}.get(type(err), "unavailable")
-        if not self._lost and self.client.controller_id is not None:
+        if not self._lost and self.controller_id is not None:
             self._lost = True
             self.budget.hurry(time.time())  # a lost controller usually means a restart is coming: watch closely
         interval = self.budget.interval(time.time())
@@ -278,7 +397,7 @@ class TQSource:
 
     def _view(self, interval: float, keys: int | None) -> TQPollView:
         return TQPollView(
-            controller_id=self.client.controller_id,
+            controller_id=self.controller_id,
             epochs=self._epochs,
             interval=interval,
             busy_ratio=self.budget.busy_ratio(interval),
