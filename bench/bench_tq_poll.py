@@ -141,6 +141,20 @@ def ms(samples: Sequence[float]) -> tuple[str, str, str]:
     return median, high, top
 
 
+def child_of(pid: int) -> int | None:
+    """tqmon's TQ poller: its child started by multiprocessing's spawn (not the resource tracker)."""
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+                cmdline = (entry / "cmdline").read_bytes()
+            except (OSError, IndexError, ValueError):
+                continue
+            if ppid == pid and b"spawn_main" in cmdline:
+                return int(entry.name)
+    return None
+
+
 def proc_status(pid: int | None, field_name: str) -> int | None:
     """A ``/proc/<pid>/status`` memory field (``VmRSS``, ``VmHWM``) in bytes."""
     if pid is None:
@@ -239,6 +253,8 @@ class Result:
     metrics_bytes: int = 0
     tqmon_rss: int | None = None
     tqmon_hwm: int | None = None
+    poller_rss: int | None = None  # tqmon's child that talks to Ray and aggregates the reply
+    poller_hwm: int | None = None
     controller_rss: int | None = None
     footprint: int | None = None  # controller + tqmon peak + this process, for extrapolating to the next size
     stall: dict[str, tuple[list[float], list[float]]] = field(default_factory=dict)  # op -> (idle, polled)
@@ -333,10 +349,12 @@ def measure(trainer: Trainer, client: ControllerClient, size: int, workdir: Path
         result.metrics_bytes = len(http.get("/metrics").content)
         result.tqmon_rss = proc_status(tqmon.proc.pid, "VmRSS")
         result.tqmon_hwm = proc_status(tqmon.proc.pid, "VmHWM")
+        poller = child_of(tqmon.proc.pid)
+        result.poller_rss, result.poller_hwm = proc_status(poller, "VmRSS"), proc_status(poller, "VmHWM")
         result.controller_rss = proc_status(trainer.controller_pid, "VmRSS")
         own = proc_status(os.getpid(), "VmRSS")
         if result.controller_rss is not None and result.tqmon_hwm is not None and own is not None:
-            result.footprint = result.controller_rss + result.tqmon_hwm + own
+            result.footprint = result.controller_rss + result.tqmon_hwm + (result.poller_hwm or 0) + own
         for name, call in probes.items():
             result.stall[name] = (idle[name], series(call, PROBES, span))
     return result
@@ -393,7 +411,8 @@ def size_table(r: Result) -> str:
         f"after a resume {fast:.2f} s (busy {100 * (fast_busy or 0):.3f}%)",
         f"fill {r.fill_seconds:.1f} s; tqmon spawn -> window read {r.first_window:.1f} s; "
         f"/metrics body {r.metrics_bytes:,} B; series under polling spread over {r.span:.1f} s",
-        f"RSS MiB: tqmon {mib(r.tqmon_rss)} (peak {mib(r.tqmon_hwm)}), TQ controller {mib(r.controller_rss)}",
+        f"RSS MiB: tqmon {mib(r.tqmon_rss)} (peak {mib(r.tqmon_hwm)}), its poller process {mib(r.poller_rss)} "
+        f"(peak {mib(r.poller_hwm)}), TQ controller {mib(r.controller_rss)}",
     ]
     title = f"{r.size:,} keys in train (+{len(VAL_KEYS)} in val)"
     return table(title, ["measure", "median ms", "p95 ms", "max ms", "n"], rows) + "\n".join(notes) + "\n"
@@ -424,6 +443,8 @@ def summary(results: Sequence[Result]) -> str:
         row("/metrics max ms", lambda r: ms(r.scrapes)[2]),
         row("tqmon RSS MiB", lambda r: mib(r.tqmon_rss)),
         row("tqmon peak RSS MiB", lambda r: mib(r.tqmon_hwm)),
+        row("poller RSS MiB", lambda r: mib(r.poller_rss)),
+        row("poller peak RSS MiB", lambda r: mib(r.poller_hwm)),
         row("controller RSS MiB", lambda r: mib(r.controller_rss)),
         row("1% budget interval s", lambda r: f"{r.steady[0]:.2f}"),
         row("1% budget busy %", lambda r: f"{100 * (r.steady[1] or 0):.3f}"),
