@@ -41,6 +41,7 @@ os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"  # keep Ray on 127.0.0.1; 
 import httpx
 from bench_service import free_port, percentile, table
 
+from tqmon.sim.rollout import trajectory_tag
 from tqmon.sources.tq import ControllerClient, PollBudget, windows_from
 
 DEFAULT_SIZES = (1_000, 10_000, 100_000, 1_000_000)
@@ -72,19 +73,6 @@ def prompt_tag(group: int) -> dict[str, Any]:
     return {"is_prompt": True, "status": status, "global_steps": STEP - group % 12}
 
 
-def trajectory_tag(g: int) -> dict[str, Any]:
-    """What verl's agent loop tags a finished trajectory with (as in tests/test_checkpoint.py)."""
-    return {
-        "status": "success",
-        "prompt_len": 4,
-        "response_len": 3,
-        "seq_len": 7,
-        "global_steps": g,
-        "min_global_steps": g,
-        "max_global_steps": g + 1,
-    }
-
-
 def key_and_tag(index: int) -> tuple[str, dict[str, Any]]:
     """Key ``index`` of the window: groups of three, a prompt and its two trajectories, so growing the
     window from one size to the next only adds keys. Every 20th group's second trajectory is an orphan."""
@@ -92,7 +80,8 @@ def key_and_tag(index: int) -> tuple[str, dict[str, Any]]:
     if role == 0:
         return uid(group), prompt_tag(group)
     owner = uid(10**9 + group) if role == 2 and group % 20 == 0 else uid(group)
-    return f"{owner}_0_{role - 1}", trajectory_tag(STEP - group % 12)
+    g = STEP - group % 12
+    return f"{owner}_0_{role - 1}", trajectory_tag(g, g, g + 1)
 
 
 def grow(tq: Any, start: int, stop: int) -> None:

@@ -34,6 +34,7 @@ from tqmon.cli import main
 from tqmon.composition import compose
 from tqmon.events import CheckpointSaved, TrainerConfig, parse_event
 from tqmon.exporters.prometheus import build_registry, render
+from tqmon.sim.rollout import trajectory_tag
 from tqmon.sources import checkpoint as ckpt
 from tqmon.sources.checkpoint import CheckpointError, CheckpointSource, read_checkpoint
 from tqmon.store import StateStore
@@ -74,18 +75,6 @@ def trajectory_fields(n: int) -> Any:
     return batch(n, responses=(3, torch.int64), rm_scores=(3, torch.bfloat16), response_mask=(3, torch.bool))
 
 
-def trajectory_tag(g: int) -> dict[str, Any]:
-    return {
-        "status": "success",
-        "prompt_len": 4,
-        "response_len": 3,
-        "seq_len": 7,
-        "global_steps": g,
-        "min_global_steps": g,
-        "max_global_steps": g + 1,
-    }
-
-
 def put_prompts(tq: Any, keys: list[str], g: int, status: str) -> None:
     """verl submits prompts pending; the rollout updates the status tag, which merges into the stored tag."""
     pending = [{"is_prompt": True, "status": "pending", "global_steps": g} for _ in keys]
@@ -95,7 +84,7 @@ def put_prompts(tq: Any, keys: list[str], g: int, status: str) -> None:
 
 
 def put_trajectories(tq: Any, keys: list[str], g: int) -> None:
-    tags = [trajectory_tag(g) for _ in keys]
+    tags = [trajectory_tag(g, g, g + 1) for _ in keys]
     tags[0] = tags[0] | {"is_prompt": False}  # an explicit False counts as a trajectory too
     tq.kv_batch_put(keys=keys, partition_id="train", tags=tags, fields=trajectory_fields(len(keys)))
 

@@ -11,8 +11,6 @@ from dataclasses import dataclass
 
 from tqmon.warmup import DOOM_REASONS, PROMPT_STATUSES, WarmupState
 
-NAMESPACE = "tqmon"
-
 
 class MetricType(enum.StrEnum):
     GAUGE = "gauge"

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -55,7 +55,6 @@ class Sample:
     uids: list[str]  # the sampled prompt groups
     trajectory_keys: list[str]  # what the trainer trains on, then clears
     first_evictions: dict[str, int]  # evicted by the first poll: at a resume, the doomed restored groups
-    evictions: dict[str, int] = field(default_factory=lambda: dict.fromkeys(DOOM_REASONS, 0))
 
 
 class ReplayBuffer:
@@ -72,7 +71,6 @@ class ReplayBuffer:
 
     def sample(self, step: int, batch_size: int) -> Sample:
         first: dict[str, int] | None = None
-        total = dict.fromkeys(DOOM_REASONS, 0)
         while True:
             window = Window.read()
             evicted = self._eviction_reasons(window, step)
@@ -81,8 +79,6 @@ class ReplayBuffer:
             if evicted:
                 uids = sorted(evicted)
                 tq.kv_clear(keys=[*uids, *window.trajectory_keys(uids)], partition_id=PARTITION)
-                for reason in evicted.values():
-                    total[reason] += 1
                 self.refill(len(uids))
                 continue
             finished = window.with_status("finished")
@@ -90,7 +86,7 @@ class ReplayBuffer:
                 # oldest first; the uid breaks ties (the simulator's uids sort in dataloader order)
                 chosen = sorted(finished, key=lambda uid: (window.prompts[uid]["global_steps"], uid))[:batch_size]
                 tq.kv_clear(keys=chosen, partition_id=PARTITION)
-                return Sample(chosen, window.trajectory_keys(chosen), first, total)
+                return Sample(chosen, window.trajectory_keys(chosen), first)
             self.wait(window)
 
     def _eviction_reasons(self, window: Window, step: int) -> dict[str, str]:

@@ -22,6 +22,19 @@ PARTITION = "train"
 PROMPT_LEN, RESPONSE_LEN = 4, 3
 
 
+def trajectory_tag(global_steps: int, started: int | None, finished: int) -> dict[str, Any]:
+    """What verl's agent loop tags a finished trajectory with (the benchmark and the tests use it too)."""
+    return {
+        "status": "success",
+        "prompt_len": PROMPT_LEN,
+        "response_len": RESPONSE_LEN,
+        "seq_len": PROMPT_LEN + RESPONSE_LEN,
+        "global_steps": global_steps,
+        "min_global_steps": started,
+        "max_global_steps": finished,
+    }
+
+
 def tensordict(n: int, columns: dict[str, torch.Tensor]) -> Any:
     """A TensorDict of ``n`` rows (imported here: tensordict has no type hints)."""
     from tensordict import TensorDict  # type: ignore[import-untyped]
@@ -118,17 +131,6 @@ class Rollout:
                 "rm_scores": rm_scores,
             },
         )
-        tags = [
-            {
-                "status": "success",
-                "prompt_len": PROMPT_LEN,
-                "response_len": RESPONSE_LEN,
-                "seq_len": PROMPT_LEN + RESPONSE_LEN,
-                "global_steps": job.global_steps,
-                "min_global_steps": job.started_step,
-                "max_global_steps": step,
-            }
-            for job, _session in pairs
-        ]
+        tags = [trajectory_tag(job.global_steps, job.started_step, step) for job, _session in pairs]
         keys = [f"{job.uid}_{session}_0" for job, session in pairs]
         tq.kv_batch_put(keys=keys, partition_id=PARTITION, tags=tags, fields=fields)
