@@ -24,6 +24,7 @@ from tqmon.snapshot import (
     RunInfo,
     Snapshot,
     SourceHealth,
+    Tally,
     TQPollView,
     WindowView,
 )
@@ -93,10 +94,10 @@ def full_snapshot(now: float = NOW) -> Snapshot:
             SourceHealth("tq", True, now - 400, 0.05, None, 60.0),  # stale: reads down
         ),
         counters={
-            "tqmon_events_total": {("log", "applied"): 12, ("events", "duplicate"): 1},
-            "tqmon_events_rejected_total": {("malformed_json",): 2},
-            "tqmon_log_lines_total": {("event",): 12, ("ignored",): 30, ("malformed",): 1},
-            "tqmon_source_errors_total": {("log", "malformed_line"): 1, ("tq", "timeout"): 3},
+            Tally.EVENTS: {("log", "applied"): 12, ("events", "duplicate"): 1},
+            Tally.EVENTS_REJECTED: {("malformed_json",): 2},
+            Tally.LOG_LINES: {("event",): 12, ("ignored",): 30, ("malformed",): 1},
+            Tally.SOURCE_ERRORS: {("log", "malformed_line"): 1, ("tq", "timeout"): 3},
         },
     )
 

@@ -9,7 +9,8 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
-from tqmon.warmup import DOOM_REASONS, PROMPT_STATUSES, WarmupState
+from tqmon.sources import SourceName
+from tqmon.warmup import DOOM_REASONS, PARTITIONS, PROMPT_STATUSES, WarmupState
 
 
 class MetricType(enum.StrEnum):
@@ -49,8 +50,7 @@ class MetricSpec:
         return self.labels[-1]
 
 
-SOURCES = ("tq", "checkpoint", "log", "jsonl", "events")
-PARTITIONS = ("train", "val")
+SOURCES = tuple(source.value for source in SourceName)
 WINDOW_STATUSES = ("ok", "under_filled", "over_filled", "unknown")
 TRAINER_MODES = ("colocate_async", "separate_async", "sync", "unknown")
 REJECT_REASONS = ("malformed_json", "invalid_event", "unknown_type", "too_large", "unauthorized")

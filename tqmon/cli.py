@@ -18,7 +18,7 @@ from tqmon import __version__
 from tqmon.events import TrainerConfig
 from tqmon.rules import RuleConfig
 from tqmon.server import serve_forever
-from tqmon.service import ServiceConfig
+from tqmon.service import ConfigError, ServiceConfig
 from tqmon.sim.cli import sim
 from tqmon.sim.scenarios import SCENARIOS
 from tqmon.sources.tq import PollBudget
@@ -379,7 +379,10 @@ def serve(
             budget=tq_budget, min_interval=tq_min_interval, max_interval=tq_max_interval, fast_period=tq_fast_period
         ),
     )
-    serve_forever(config, log_level)
+    try:
+        serve_forever(config, log_level)
+    except ConfigError as err:
+        raise click.UsageError(str(err)) from err
 
 
 @main.command()
@@ -395,7 +398,7 @@ def analyze(logs: tuple[str, ...], as_json: bool) -> None:
     tracker = Tracker(StateStore(None))
     tracker.register_source("log", stale_after=None)
     malformed = sum(ingest_file(path, tracker) for path in logs)
-    records = tracker.records()
+    records = tracker.snapshot.records
     if as_json:
         click.echo(json.dumps({"records": [r.to_json() for r in records], "malformed_lines": malformed}, indent=2))
         return
@@ -425,7 +428,9 @@ def inspect_checkpoint(checkpoint_dir: Path, step: int | None, as_json: bool, tr
     its transfer_queue dir. Prints R by status and age, K, the doomed groups, the orphan trajectories and,
     with --train-batch-size and --num-warmup-batches, T, M, O and the under-submission. Reads only.
     """
-    from tqmon.sources.checkpoint import CheckpointError, preflight, read_checkpoint, render, resolve
+    from tqmon.checkpoint.layout import read_checkpoint, resolve
+    from tqmon.checkpoint.preflight import preflight, render
+    from tqmon.checkpoint.unpickler import CheckpointError
 
     root, resolved = resolve(checkpoint_dir)
     resolved_config = trainer.resolve()

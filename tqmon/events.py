@@ -22,18 +22,12 @@ from pydantic import (
     model_validator,
 )
 
-from tqmon.catalog import PARTITIONS, SOURCES
-from tqmon.warmup import DOOM_REASONS, PROMPT_STATUSES, RestoredGroup, WarmupConfig
+from tqmon.warmup import PROMPT_STATUSES, DoomReason, Partition, PromptStatus, RestoredGroup, SkipReason, WarmupConfig
 
 # Counts and steps are bounded so every value stays exact as a Prometheus float (2**53).
 Count = Annotated[int, Field(ge=0, le=2**53)]
 EventId = Annotated[str, Field(min_length=1, max_length=200, description="Unique id; a repeated id is applied once.")]
-Status = Literal["pending", "running", "finished", "failure"]
-Partition = Literal["train", "val"]
-SkipReason = Literal["window_full", "sync_mode", "skip_rollout_tq", "non_positive_warmup"]
-
-assert set(PROMPT_STATUSES) == {"pending", "running", "finished", "failure"}
-assert set(PARTITIONS) == {"train", "val"}
+Status = PromptStatus
 
 
 class _Event(BaseModel):
@@ -99,7 +93,7 @@ def status_counts(by_status: Mapping[Any, int] | None, groups: list[GroupCount] 
     if by_status is not None:
         return {str(status): count for status, count in by_status.items()}
     if groups is not None:
-        counts = dict.fromkeys(PROMPT_STATUSES, 0)
+        counts: dict[str, int] = dict.fromkeys(PROMPT_STATUSES, 0)
         for group in groups:
             counts[group.status] += group.count
         return counts
@@ -173,7 +167,7 @@ class StepCompleted(_Event):
 
     type: Literal["step_completed"] = "step_completed"
     global_step: Count
-    evicted_prompt_groups: dict[Literal["failure", "stale", "filtered"], Count] = Field(default_factory=dict)
+    evicted_prompt_groups: dict[DoomReason, Count] = Field(default_factory=dict)
     generation_wait_seconds: NonNegativeFloat | None = Field(None, description="verl timing_s/gen")
     step_seconds: NonNegativeFloat | None = Field(None, description="verl timing_s/step: the step's duration")
 
@@ -237,9 +231,6 @@ EVENT_TYPES: tuple[type[_Event], ...] = (
 )
 EVENT_TYPE_NAMES = frozenset(cls.model_fields["type"].default for cls in EVENT_TYPES)
 EVENT_ADAPTER: TypeAdapter[Event] = TypeAdapter(Event)
-
-assert set(DOOM_REASONS) == {"failure", "stale", "filtered"}
-assert "events" in SOURCES
 
 
 def describe_validation(err: ValidationError, *, batch: bool = False) -> str:

@@ -11,13 +11,19 @@ import math
 import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Literal, get_args
 
 ASYNC_MODES = frozenset({"colocate_async", "separate_async"})
 TRAINER_MODES = frozenset({"sync", *ASYNC_MODES})
 OFF_POLICY_STRATEGIES = frozenset({"drop", "wait"})
-PROMPT_STATUSES = ("pending", "running", "finished", "failure")
+PromptStatus = Literal["pending", "running", "finished", "failure"]
+PROMPT_STATUSES: tuple[PromptStatus, ...] = get_args(PromptStatus)
 INFLIGHT_STATUSES = frozenset({"pending", "running"})
-DOOM_REASONS = ("failure", "stale", "filtered")
+DoomReason = Literal["failure", "stale", "filtered"]
+DOOM_REASONS: tuple[DoomReason, ...] = get_args(DoomReason)
+Partition = Literal["train", "val"]  # the TransferQueue partitions verl uses: training and validation
+PARTITIONS: tuple[Partition, ...] = get_args(Partition)
+SkipReason = Literal["window_full", "sync_mode", "skip_rollout_tq", "non_positive_warmup"]
 
 
 class WarmupState(enum.StrEnum):
@@ -105,6 +111,17 @@ def decide_warmup(config: WarmupConfig, restored: int, *, resumed: bool) -> Warm
     return WarmupDecision(target, restored, missing, over, state, logged=True)
 
 
+def skip_reason(config: WarmupConfig) -> SkipReason:
+    """Why a warmup that submits nothing does so, in the order verl 0.9.1 checks (the ``skip_reason`` values)."""
+    if config.trainer_mode == "sync":
+        return "sync_mode"
+    if config.skip_rollout_tq:
+        return "skip_rollout_tq"
+    if config.num_warmup_batches <= 0:
+        return "non_positive_warmup"
+    return "window_full"
+
+
 def legacy_submitted(config: WarmupConfig, warmup_batches: int) -> int:
     """Prompts verl 0.9.0 submitted for ``Added {n} warmup batches``: n whole train batches, always."""
     return warmup_batches * config.train_batch_size
@@ -160,7 +177,7 @@ def classify_doomed(config: WarmupConfig, groups: Iterable[RestoredGroup], check
 
     Each group counts once; the first sample after the resume happens at step N+1.
     """
-    counts = dict.fromkeys(DOOM_REASONS, 0)
+    counts: dict[str, int] = dict.fromkeys(DOOM_REASONS, 0)
     for group in groups:
         reason = doom_reason(config, group, checkpoint_step + 1)
         if reason is not None:

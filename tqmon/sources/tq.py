@@ -25,10 +25,11 @@ from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Any
 
-from tqmon.catalog import AGE_BUCKETS, PARTITIONS
+from tqmon.catalog import AGE_BUCKETS
 from tqmon.composition import Composition, CompositionError, compose
 from tqmon.snapshot import TQPollView, WindowView
 from tqmon.tracker import Tracker
+from tqmon.warmup import PARTITIONS
 
 SOURCE = "tq"
 CONTROLLER_NAME = "TransferQueueController"
