@@ -13,6 +13,7 @@ import os
 import re
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator
 from datetime import UTC, datetime, timedelta
@@ -276,7 +277,7 @@ def test_the_thread_tails_and_survives_garbage(tmp_path: Path, make_source: Call
     while time.monotonic() < deadline and (not tracker.snapshot.records or last(tracker).submitted is None):
         time.sleep(0.02)
     source.stop()
-    assert not source._thread.is_alive()
+    assert "tqmon-log" not in {thread.name for thread in threading.enumerate()}
     assert_record(
         last(tracker), checkpoint_step=40, restored=96, reissued=21, submitted=0, warmup_state=WarmupState.SKIPPED_FULL
     )

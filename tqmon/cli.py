@@ -391,12 +391,13 @@ def serve(
 def analyze(logs: tuple[str, ...], as_json: bool) -> None:
     """Print the resume records and verdicts found in finished verl logs (read in the order given)."""
     from tqmon.report import table
+    from tqmon.sources import SourceName
     from tqmon.sources.logfile import ingest_file
     from tqmon.store import StateStore
     from tqmon.tracker import Tracker
 
     tracker = Tracker(StateStore(None))
-    tracker.register_source("log", stale_after=None)
+    tracker.register_source(SourceName.LOG, stale_after=None)
     malformed = sum(ingest_file(path, tracker) for path in logs)
     records = tracker.snapshot.records
     if as_json:

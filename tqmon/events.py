@@ -6,7 +6,6 @@ idempotent. Sources that derive events (the log tailer) give them deterministic 
 
 from __future__ import annotations
 
-import time
 from collections.abc import Mapping
 from datetime import UTC, datetime
 from typing import Annotated, Any, Literal
@@ -45,10 +44,9 @@ class _Event(BaseModel):
             return value.replace(tzinfo=UTC)
         return value
 
-    def timestamp(self, default: float | None = None) -> float:
-        if self.time is not None:
-            return self.time.timestamp()
-        return time.time() if default is None else default
+    def timestamp(self, default: float) -> float:
+        """When it happened; ``default`` (when it was received) for an event that does not say."""
+        return default if self.time is None else self.time.timestamp()
 
 
 class TrainerConfig(BaseModel):

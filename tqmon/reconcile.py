@@ -352,7 +352,9 @@ class Reconciler:
         evidence_of: Observed | None = None  # the start this event is evidence of
         match event:
             case RunStarted():
-                run = RunInfo(event.run_id, event.trainer_mode, event.verl_version, event.config.model_dump(), "events")
+                run = RunInfo(
+                    event.run_id, event.trainer_mode, event.verl_version, event.config.model_dump(), SourceName.EVENTS
+                )
                 self._set_run(run, event.config)
                 self._derive_checkpoint()  # its doomed groups depend on the config
                 if self._observed is not None and not self._observed.sealed:

@@ -25,6 +25,7 @@ from tqmon.exporters.prometheus import render
 from tqmon.report import verdict
 from tqmon.service import Service, ServiceConfig
 from tqmon.snapshot import CheckpointView, ResumeRecord, RunInfo, Snapshot, TQPollView, WindowView
+from tqmon.sources import SourceName
 
 EVENTS_ADAPTER: TypeAdapter[list[Event]] = TypeAdapter(list[Event])
 BODY_ADAPTER: TypeAdapter[Event | list[Event]] = TypeAdapter(Event | list[Event])
@@ -231,8 +232,8 @@ def create_app(service: Service, clock: Callable[[], float] = time.time) -> Fast
         except ValidationError as err:
             return _reject(service, 422, "invalid_event", describe_validation(err, batch=isinstance(body, list)))
         started = time.monotonic()
-        applied, duplicates = service.tracker.ingest(events, "events")
-        service.tracker.source_succeeded("events", time.monotonic() - started)
+        applied, duplicates = service.tracker.ingest(events, SourceName.EVENTS)
+        service.tracker.source_succeeded(SourceName.EVENTS, time.monotonic() - started)
         result = IngestResult(accepted=len(events), applied=applied, duplicates=duplicates)
         return JSONResponse(result.model_dump())
 

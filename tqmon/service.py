@@ -11,8 +11,10 @@ from prometheus_client import CollectorRegistry
 
 from tqmon.events import TrainerConfig
 from tqmon.exporters.prometheus import build_registry
+from tqmon.sources import SourceName
 from tqmon.sources.checkpoint import CheckpointSource
 from tqmon.sources.logfile import LogSource, parse_jsonl
+from tqmon.sources.polling import Source
 from tqmon.sources.tq import PollBudget, PollerProcess, TQSource
 from tqmon.store import StateStore
 from tqmon.tracker import Tracker
@@ -85,7 +87,7 @@ class Service:
         replayed = self.tracker.replay()
         if replayed:
             log.info("restored %d events from %s", replayed, self.store.path)
-        self.tracker.register_source("events", stale_after=None)
+        self.tracker.register_source(SourceName.EVENTS, stale_after=None)
         self.log_source = (
             LogSource(list(config.log_patterns), self.tracker, interval=config.log_interval)
             if config.log_patterns
@@ -96,7 +98,7 @@ class Service:
                 list(config.jsonl_patterns),
                 self.tracker,
                 interval=config.log_interval,
-                source="jsonl",
+                source=SourceName.JSONL,
                 parse=parse_jsonl,
             )
             if config.jsonl_patterns
@@ -117,7 +119,7 @@ class Service:
         )
 
     @property
-    def sources(self) -> list[LogSource | CheckpointSource | TQSource]:
+    def sources(self) -> list[Source]:
         candidates = (self.log_source, self.jsonl_source, self.checkpoint_source, self.tq_source)
         return [source for source in candidates if source is not None]
 
