@@ -35,13 +35,14 @@ from tqmon.checkpoint.layout import read_checkpoint
 from tqmon.checkpoint.unpickler import CheckpointError
 from tqmon.cli import main
 from tqmon.composition import compose
-from tqmon.events import CheckpointSaved, TrainerConfig, parse_event
+from tqmon.events import CheckpointSaved, parse_event
 from tqmon.exporters.prometheus import build_registry, render
 from tqmon.sim.rollout import trajectory_tag
 from tqmon.snapshot import Tally
 from tqmon.sources.checkpoint import CheckpointSource
 from tqmon.store import StateStore
 from tqmon.tracker import Tracker
+from tqmon.warmup import GivenConfig, TrainerConfig
 
 os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"  # before ray is imported (in the fixture)
 
@@ -338,7 +339,7 @@ def metrics(tracker: Tracker) -> str:
 
 def test_source_feeds_the_tracker_and_the_metrics(root: Path) -> None:
     config = TrainerConfig(train_batch_size=8, num_warmup_batches=3, max_off_policy_threshold=4)
-    tracker = Tracker(StateStore(None), flag_config=("colocate_async", config, "flags"))
+    tracker = Tracker(StateStore(None), given=GivenConfig("colocate_async", config, "flags"))
     source = CheckpointSource(root, tracker, interval=1.0)
     source.poll()
     view = tracker.snapshot.checkpoint

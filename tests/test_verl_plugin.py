@@ -13,12 +13,12 @@ import pytest
 
 from tests.conftest import TqmonProcess, free_port
 from tqmon.composition import compose
-from tqmon.events import Event, TrainerConfig, WarmupDecided, parse_event
+from tqmon.events import Event, WarmupDecided, parse_event
 from tqmon.integrations.poster import EventPoster
 from tqmon.integrations.resume import StartReporter
 from tqmon.store import StateStore
 from tqmon.tracker import Tracker
-from tqmon.warmup import WarmupState, is_legacy_version
+from tqmon.warmup import TrainerConfig, WarmupState, is_legacy_version
 
 CONFIG = {"train_batch_size": 4, "num_warmup_batches": 2}  # T = 8
 

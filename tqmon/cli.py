@@ -9,20 +9,20 @@ from collections.abc import Callable
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, TypeVar, get_args
 
 import click
 from pydantic import ValidationError
+from pydantic.fields import FieldInfo
 
 from tqmon import __version__
-from tqmon.events import TrainerConfig
 from tqmon.rules import RuleConfig
 from tqmon.server import serve_forever
 from tqmon.service import ConfigError, ServiceConfig
 from tqmon.sim.cli import sim
 from tqmon.sim.scenarios import SCENARIOS
 from tqmon.sources.tq import PollBudget
-from tqmon.warmup import OFF_POLICY_STRATEGIES, TRAINER_MODES
+from tqmon.warmup import TRAINER_MODES, GivenConfig, TrainerConfig, verl_setting
 
 LISTEN_DEFAULT = "127.0.0.1:9842"
 FC = TypeVar("FC", bound=Callable[..., Any])
@@ -51,67 +51,67 @@ def _threshold(ctx: click.Context, param: click.Parameter, value: str | None) ->
     return int(text)
 
 
+def _setting_option(name: str, spec: FieldInfo) -> Callable[[FC], FC]:
+    """The flag of one :class:`TrainerConfig` field: its help and default from the declaration.
+
+    A required setting has no default here: the trainer config is optional, and ``TrainerFlags`` says
+    which flag is missing.
+    """
+    kwargs: dict[str, Any] = {"help": verl_setting(name).help, "env": name.upper()}
+    args = get_args(spec.annotation)
+    if spec.annotation is bool:
+        kwargs["is_flag"] = True
+    elif args and all(isinstance(arg, str) for arg in args):  # a Literal
+        kwargs |= {"type": click.Choice(sorted(args)), "default": spec.default, "show_default": True}
+    elif spec.annotation == int | None and spec.default is not None:  # a number or null
+        kwargs |= {"metavar": "INT|null", "callback": _threshold, "default": str(spec.default), "show_default": True}
+    else:
+        number = next(arg for arg in (spec.annotation, *args) if arg in (int, float))
+        positive = any(getattr(item, "gt", None) == 0 for item in spec.metadata)
+        kwargs |= {"type": click.IntRange(min=1) if number is int and positive else number, "default": None}
+    return option("--" + name.replace("_", "-"), **kwargs)
+
+
 @dataclass(frozen=True)
 class TrainerFlags:
     """The verl settings given on the command line (the same knobs as a ``run_started`` event's config)."""
 
     trainer_mode: str
-    train_batch_size: int | None
-    gen_batch_size: int | None
-    num_warmup_batches: float | None
-    max_off_policy_threshold: int | None
-    max_off_policy_strategy: str
-    skip_rollout_tq: bool
-    filter_groups: bool
     trainer_config: Path | None
+    settings: dict[str, Any]  # TrainerConfig's fields, as the flags gave them
 
     @property
     def missing(self) -> list[str]:
-        """The flags without which T cannot be computed."""
+        """The flags without which T cannot be computed (the settings without a default)."""
         return [
-            flag
-            for flag, value in (
-                ("--train-batch-size", self.train_batch_size),
-                ("--num-warmup-batches", self.num_warmup_batches),
-            )
-            if value is None
+            "--" + name.replace("_", "-")
+            for name, spec in TrainerConfig.model_fields.items()
+            if spec.is_required() and self.settings[name] is None
         ]
 
-    def config(self) -> TrainerConfig | None:
-        """The trainer config, or None while a flag it needs is missing."""
-        if self.missing:
-            return None
-        try:
-            return TrainerConfig(
-                train_batch_size=self.train_batch_size,
-                gen_batch_size=self.gen_batch_size,
-                num_warmup_batches=self.num_warmup_batches,
-                skip_rollout_tq=self.skip_rollout_tq,
-                max_off_policy_threshold=self.max_off_policy_threshold,
-                max_off_policy_strategy=self.max_off_policy_strategy,
-                filter_groups=self.filter_groups,
-            )
-        except ValidationError as err:
-            raise click.UsageError(f"invalid trainer config: {err}") from None
-
-    def resolve(self) -> tuple[str, TrainerConfig, str] | None:
-        """``(trainer_mode, config, where it came from)`` from the Hydra file or the flags; None if neither."""
+    def resolve(self) -> GivenConfig | None:
+        """The trainer config from the Hydra file or the flags; None if neither gives one."""
         if self.trainer_config is not None:
-            if len(self.missing) < 2:
-                raise click.UsageError("give either --trainer-config or --train-batch-size/--num-warmup-batches")
+            if len(self.missing) < len(REQUIRED_SETTINGS):
+                flags = "/".join("--" + name.replace("_", "-") for name in REQUIRED_SETTINGS)
+                raise click.UsageError(f"give either --trainer-config or {flags}")
             from tqmon.hydra_config import HydraConfigError, load_trainer_config
 
             try:
-                mode, from_file = load_trainer_config(self.trainer_config)
+                return load_trainer_config(self.trainer_config)
             except HydraConfigError as err:
                 raise click.BadParameter(str(err), param_hint="--trainer-config") from None
-            return mode, from_file, f"file:{self.trainer_config}"
-        if len(self.missing) == 1:
+        if len(self.missing) == len(REQUIRED_SETTINGS):
+            return None
+        if self.missing:
             raise click.UsageError(f"the trainer config also needs {self.missing[0]}")
-        from_flags = self.config()
-        return None if from_flags is None else (self.trainer_mode, from_flags, "flags")
+        try:
+            return GivenConfig(self.trainer_mode, TrainerConfig(**self.settings), "flags")
+        except ValidationError as err:
+            raise click.UsageError(f"invalid trainer config: {err}") from None
 
 
+REQUIRED_SETTINGS = tuple(name for name, spec in TrainerConfig.model_fields.items() if spec.is_required())
 _TRAINER_OPTIONS = (
     option(
         "--trainer-mode",
@@ -121,48 +121,7 @@ _TRAINER_OPTIONS = (
         help="trainer.v1.trainer_mode.",
         env="TRAINER_MODE",
     ),
-    option(
-        "--train-batch-size",
-        type=click.IntRange(min=1),
-        default=None,
-        help="data.train_batch_size (B); needed for T.",
-        env="TRAIN_BATCH_SIZE",
-    ),
-    option(
-        "--gen-batch-size",
-        type=click.IntRange(min=1),
-        default=None,
-        help="data.gen_batch_size (the async modes and DAPO force 1).",
-        env="GEN_BATCH_SIZE",
-    ),
-    option(
-        "--num-warmup-batches",
-        type=float,
-        default=None,
-        help="trainer.v1.<mode>.num_warmup_batches (may be fractional); needed for T.",
-        env="NUM_WARMUP_BATCHES",
-    ),
-    option(
-        "--max-off-policy-threshold",
-        metavar="INT|null",
-        callback=_threshold,
-        default="8",
-        show_default=True,
-        help="trainer.v1.sampler.max_off_policy_threshold, or 'null'.",
-        env="MAX_OFF_POLICY_THRESHOLD",
-    ),
-    option(
-        "--max-off-policy-strategy",
-        type=click.Choice(sorted(OFF_POLICY_STRATEGIES)),
-        default="drop",
-        show_default=True,
-        help="trainer.v1.sampler.max_off_policy_strategy (only 'drop' evicts stale groups).",
-        env="MAX_OFF_POLICY_STRATEGY",
-    ),
-    option(
-        "--skip-rollout-tq", is_flag=True, help="skip.rollout_tq.enable (disables the warmup).", env="SKIP_ROLLOUT_TQ"
-    ),
-    option("--filter-groups", is_flag=True, help="algorithm.filter_groups.enable (DAPO).", env="FILTER_GROUPS"),
+    *(_setting_option(name, spec) for name, spec in TrainerConfig.model_fields.items()),
     option(
         "--trainer-config",
         type=click.Path(exists=True, dir_okay=False, path_type=Path),
@@ -171,7 +130,6 @@ _TRAINER_OPTIONS = (
         env="TRAINER_CONFIG",
     ),
 )
-_TRAINER_PARAMS = tuple(f.name for f in fields(TrainerFlags))
 
 
 def trainer_config_options(func: Callable[..., Any]) -> Callable[..., Any]:
@@ -179,7 +137,8 @@ def trainer_config_options(func: Callable[..., Any]) -> Callable[..., Any]:
 
     @functools.wraps(func)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
-        flags = TrainerFlags(**{name: kwargs.pop(name) for name in _TRAINER_PARAMS})
+        settings = {name: kwargs.pop(name) for name in TrainerConfig.model_fields}
+        flags = TrainerFlags(kwargs.pop("trainer_mode"), kwargs.pop("trainer_config"), settings)
         return func(*args, trainer=flags, **kwargs)
 
     command: Callable[..., Any] = wrapper
@@ -434,12 +393,12 @@ def inspect_checkpoint(checkpoint_dir: Path, step: int | None, as_json: bool, tr
     from tqmon.checkpoint.unpickler import CheckpointError
 
     root, resolved = resolve(checkpoint_dir)
-    resolved_config = trainer.resolve()
+    given = trainer.resolve()
     try:
         reading = read_checkpoint(root, step if step is not None else resolved, progress=_progressbar)
     except CheckpointError as err:
         raise click.ClickException(str(err)) from None
-    warmup = None if resolved_config is None else resolved_config[1].warmup_config(resolved_config[0])
+    warmup = None if given is None else given.warmup
     result = preflight(reading, warmup)
     click.echo(json.dumps(result.to_json(), indent=2) if as_json else render(result))
 

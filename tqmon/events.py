@@ -21,7 +21,16 @@ from pydantic import (
     model_validator,
 )
 
-from tqmon.warmup import PROMPT_STATUSES, DoomReason, Partition, PromptStatus, RestoredGroup, SkipReason, WarmupConfig
+from tqmon.warmup import (
+    PROMPT_STATUSES,
+    DoomReason,
+    Partition,
+    PromptStatus,
+    RestoredGroup,
+    SkipReason,
+    TrainerConfig,
+    TrainerMode,
+)
 
 # Counts and steps are bounded so every value stays exact as a Prometheus float (2**53).
 Count = Annotated[int, Field(ge=0, le=2**53)]
@@ -49,31 +58,12 @@ class _Event(BaseModel):
         return default if self.time is None else self.time.timestamp()
 
 
-class TrainerConfig(BaseModel):
-    """The verl settings that decide the warmup and the first sample's evictions."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    train_batch_size: int = Field(gt=0, description="data.train_batch_size")
-    gen_batch_size: int | None = Field(None, gt=0, description="data.gen_batch_size (async modes force 1)")
-    num_warmup_batches: float = Field(description="trainer.v1.<mode>.num_warmup_batches (may be fractional)")
-    skip_rollout_tq: bool = Field(False, description="skip.rollout_tq.enable")
-    max_off_policy_threshold: int | None = Field(8, description="trainer.v1.sampler.max_off_policy_threshold")
-    max_off_policy_strategy: Literal["drop", "wait"] = Field(
-        "drop", description="trainer.v1.sampler.max_off_policy_strategy"
-    )
-    filter_groups: bool = Field(False, description="algorithm.filter_groups.enable")
-
-    def warmup_config(self, trainer_mode: str) -> WarmupConfig:
-        return WarmupConfig(trainer_mode=trainer_mode, **self.model_dump())
-
-
 class RunStarted(_Event):
     """The trainer process started (fresh or resumed); carries the warmup-relevant config."""
 
     type: Literal["run_started"] = "run_started"
     run_id: str = Field(min_length=1, max_length=200)
-    trainer_mode: Literal["colocate_async", "separate_async", "sync"]
+    trainer_mode: TrainerMode
     verl_version: str = Field("", max_length=50)
     config: TrainerConfig
 

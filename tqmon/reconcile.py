@@ -23,7 +23,6 @@ from tqmon.events import (
     InflightReissued,
     RunStarted,
     StepCompleted,
-    TrainerConfig,
     TrainingStarted,
     WarmupDecided,
     WindowObserved,
@@ -35,6 +34,8 @@ from tqmon.sources import SourceName
 from tqmon.warmup import (
     DOOM_REASONS,
     PROMPT_STATUSES,
+    GivenConfig,
+    TrainerConfig,
     WarmupConfig,
     WarmupState,
     decide_warmup,
@@ -305,7 +306,7 @@ class Reconciler:
     serialises the calls.
     """
 
-    def __init__(self, flag_config: tuple[str, TrainerConfig, str] | None = None) -> None:
+    def __init__(self, given: GivenConfig | None = None) -> None:
         self.run: RunInfo | None = None
         self.warmup_config: WarmupConfig | None = None
         self.records: list[ResumeRecord] = []
@@ -319,9 +320,8 @@ class Reconciler:
         self._restart_hint: Evidence | None = None  # a restart sign no start has claimed yet
         self._step_seconds: deque[float] = deque(maxlen=STEP_RATE_WINDOW)
         self._compositions: dict[int, Composition] = {}  # step -> a checkpoint's composition
-        if flag_config is not None:  # (trainer_mode, config, where it came from); run_started overrides it
-            mode, cfg, origin = flag_config
-            self._set_run(RunInfo("", mode, "", cfg.model_dump(), origin), cfg)
+        if given is not None:  # run_started overrides it
+            self._set_run(RunInfo("", given.trainer_mode, "", given.config.model_dump(), given.origin), given.config)
 
     @property
     def step_seconds(self) -> float | None:

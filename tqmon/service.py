@@ -9,7 +9,6 @@ from pathlib import Path
 
 from prometheus_client import CollectorRegistry
 
-from tqmon.events import TrainerConfig
 from tqmon.exporters.prometheus import build_registry
 from tqmon.sources import SourceName
 from tqmon.sources.checkpoint import CheckpointSource
@@ -18,6 +17,7 @@ from tqmon.sources.polling import Source
 from tqmon.sources.tq import PollBudget, PollerProcess, TQSource
 from tqmon.store import StateStore
 from tqmon.tracker import Tracker
+from tqmon.warmup import GivenConfig
 
 log = logging.getLogger(__name__)
 
@@ -49,7 +49,7 @@ class ServiceConfig:
     process_metrics: bool = True
     checkpoint_dir: Path | None = None
     checkpoint_interval: float = 10.0
-    trainer: tuple[str, TrainerConfig, str] | None = None  # (trainer_mode, config, origin); run_started overrides
+    trainer: GivenConfig | None = None  # run_started overrides it
     ray_address: str | None = None
     tq_timeout: float = 5.0
     tq_budget: PollBudget = field(default_factory=PollBudget)
@@ -83,7 +83,7 @@ class Service:
         self.token = config.token
         self.max_body_bytes = config.max_body_bytes
         self.store = StateStore(config.state_dir)
-        self.tracker = Tracker(self.store, stale_after=config.stale_after, flag_config=config.trainer)
+        self.tracker = Tracker(self.store, stale_after=config.stale_after, given=config.trainer)
         replayed = self.tracker.replay()
         if replayed:
             log.info("restored %d events from %s", replayed, self.store.path)

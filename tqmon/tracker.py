@@ -14,11 +14,12 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from tqmon import __version__
-from tqmon.events import Event, TrainerConfig
+from tqmon.events import Event
 from tqmon.reconcile import Reconciler
 from tqmon.snapshot import Evidence, Snapshot, SourceHealth, Tally, TQPollView, WindowView
 from tqmon.sources import SourceName
 from tqmon.store import StateStore
+from tqmon.warmup import GivenConfig
 
 EPOCH_CURSOR = "tq:controller"
 
@@ -50,14 +51,14 @@ class Tracker:
         store: StateStore,
         *,
         stale_after: float = 300.0,
-        flag_config: tuple[str, TrainerConfig, str] | None = None,
+        given: GivenConfig | None = None,
         clock: Callable[[], float] = time.time,
     ) -> None:
         self._store = store
         self._stale_after = stale_after
         self._clock = clock
         self._lock = threading.RLock()
-        self._state = Reconciler(flag_config)
+        self._state = Reconciler(given)
         self._health: dict[str, _Health] = {}
         self._tq: TQPollView | None = None
         self._counters: dict[Tally, Counter[tuple[str, ...]]] = {tally: Counter() for tally in Tally}

@@ -107,7 +107,7 @@ class Preflight:
             "orphan_trajectories": c.orphan_trajectories,
             "doomed": dict(self.doomed),
             "doomed_complete": self.doomed_complete,
-            "config": None if self.config is None else _config_json(self.config),
+            "config": None if self.config is None else self.config.model_dump(),
             "target": self.target,
             "warmup_submitted": self.submitted,
             "warmup_state": None if self.warmup_state is None else self.warmup_state.value,
@@ -119,10 +119,6 @@ class Preflight:
             "saved_at": self.reading.saved_at_ns / 1e9,
             "notes": list(self.notes),
         }
-
-
-def _config_json(config: WarmupConfig) -> dict[str, Any]:
-    return {name: getattr(config, name) for name in WarmupConfig.__slots__}
 
 
 def preflight(reading: CheckpointReading, config: WarmupConfig | None) -> Preflight:

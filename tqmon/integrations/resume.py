@@ -16,11 +16,10 @@ from tqmon.events import (
     CheckpointRestored,
     Event,
     InflightReissued,
-    TrainerConfig,
     TrainingStarted,
     WarmupDecided,
 )
-from tqmon.warmup import SkipReason
+from tqmon.warmup import SkipReason, TrainerConfig
 from tqmon.warmup import skip_reason as warmup_skip_reason
 
 Submission = Literal["reissue", "warmup", "step", "refill", "validation"]
