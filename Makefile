@@ -36,7 +36,7 @@ unit: $(BIN)/tqmon system-deps
 test: lint typecheck unit
 
 docs: $(BIN)/tqmon
-	$(BIN)/python -m tqmon.docs && $(BIN)/python -m tqmon.rules && $(BIN)/python -m tqmon.dashboards
+	$(BIN)/python -m mixin.docs && $(BIN)/python -m mixin.rules && $(BIN)/python -m mixin.dashboards
 
 bench: $(BIN)/tqmon
 	$(BIN)/python bench/bench_service.py

@@ -14,7 +14,8 @@ from prometheus_client.exposition import generate_latest
 from prometheus_client.openmetrics.exposition import generate_latest as generate_openmetrics
 from prometheus_client.parser import text_string_to_metric_families
 
-from tqmon import docs
+from mixin import docs
+from mixin.repo import repo_root
 from tqmon.catalog import BY_NAME, CATALOG, MetricType
 from tqmon.exporters.prometheus import build_registry, render
 from tqmon.snapshot import (
@@ -200,7 +201,7 @@ def test_collect_reads_the_current_snapshot_on_every_scrape() -> None:
 
 
 def test_metrics_doc_matches_the_catalog() -> None:
-    assert docs.METRICS_DOC.read_text() == docs.render(), "docs/metrics.md drifted: run `make docs`"
+    assert (repo_root() / docs.METRICS_DOC).read_text() == docs.render(), "docs/metrics.md drifted: run `make docs`"
     for spec in CATALOG:
         assert f"`{spec.name}`" in docs.render()
 

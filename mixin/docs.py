@@ -1,13 +1,13 @@
-"""Generates ``docs/metrics.md`` from the catalog (``python -m tqmon.docs``; a test fails on drift)."""
+"""Generates ``docs/metrics.md`` from the catalog (``python -m mixin.docs``; a test fails on drift)."""
 
 from __future__ import annotations
 
 import sys
-from pathlib import Path
 
+from mixin.repo import write
 from tqmon.catalog import CATALOG, MetricSpec, MetricType
 
-METRICS_DOC = Path(__file__).resolve().parent.parent / "docs" / "metrics.md"
+METRICS_DOC = "docs/metrics.md"
 
 HEADER = """\
 # tqmon metrics
@@ -42,9 +42,7 @@ def render() -> str:
 
 
 def main() -> int:
-    METRICS_DOC.parent.mkdir(exist_ok=True)
-    METRICS_DOC.write_text(render())
-    print(f"wrote {METRICS_DOC}")
+    write(METRICS_DOC, render())
     return 0
 
 
