@@ -21,6 +21,15 @@ class MetricType(enum.StrEnum):
     INFO = "info"
 
 
+class Stability(enum.StrEnum):
+    """A metric's promise, as kube-state-metrics states it: a stable name, labels and meaning change only
+    with a deprecation first; an experimental one may change in any release."""
+
+    STABLE = "stable"
+    EXPERIMENTAL = "experimental"
+    DEPRECATED = "deprecated"
+
+
 @dataclass(frozen=True, slots=True)
 class Label:
     """A label and its allowed values; ``values is None`` only for identity labels of ``_info`` metrics."""
@@ -37,6 +46,7 @@ class MetricSpec:
     help: str
     unit: str = ""
     labels: tuple[Label, ...] = ()
+    stability: Stability = Stability.STABLE
 
     @property
     def label_names(self) -> tuple[str, ...]:
@@ -107,6 +117,7 @@ CATALOG: tuple[MetricSpec, ...] = (
         MetricType.GAUGEHISTOGRAM,
         "Trainer step minus the tag global_steps of the live training prompt groups.",
         "steps",
+        stability=Stability.EXPERIMENTAL,
     ),
     MetricSpec(
         "tqmon_window_status",
@@ -231,18 +242,21 @@ CATALOG: tuple[MetricSpec, ...] = (
         MetricType.GAUGE,
         "Poll interval in force: the fast end after a resume, else the steady one; longer if --tq-budget needs.",
         "seconds",
+        stability=Stability.EXPERIMENTAL,
     ),
     MetricSpec(
         "tqmon_tq_controller_busy_ratio",
         MetricType.GAUGE,
         "Estimated share of the TQ controller's request thread taken by tqmon's kv_list polls (cost / period).",
         "ratio",
+        stability=Stability.EXPERIMENTAL,
     ),
     MetricSpec(
         "tqmon_tq_reply_keys",
         MetricType.GAUGE,
         "Keys in the last kv_list reply, all partitions (absent while the controller is unreachable).",
         "keys",
+        stability=Stability.EXPERIMENTAL,
     ),
     MetricSpec(
         "tqmon_tq_controller_epochs_total",
