@@ -5,11 +5,11 @@ from __future__ import annotations
 import functools
 import json
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager
-from dataclasses import dataclass, fields
+from dataclasses import Field, dataclass, fields, is_dataclass, replace
 from pathlib import Path
-from typing import Any, TypeVar, get_args
+from typing import Any, Literal, TypeVar, get_args, get_origin, get_type_hints
 
 import click
 from pydantic import ValidationError
@@ -18,27 +18,79 @@ from pydantic.fields import FieldInfo
 from tqmon import __version__
 from tqmon.rules import RuleConfig
 from tqmon.server import serve_forever
-from tqmon.service import ConfigError, ServiceConfig
+from tqmon.service import LISTEN_DEFAULT, ConfigError, ServiceConfig
 from tqmon.sim.cli import sim
 from tqmon.sim.scenarios import SCENARIOS
-from tqmon.sources.tq import PollBudget
 from tqmon.warmup import TRAINER_MODES, GivenConfig, TrainerConfig, verl_setting
 
-LISTEN_DEFAULT = "127.0.0.1:9842"
 FC = TypeVar("FC", bound=Callable[..., Any])
+T = TypeVar("T")
 
 
 def parse_listen(value: str) -> tuple[str, int]:
     """``HOST:PORT`` or ``[IPv6]:PORT``."""
-    host, sep, port = value.rpartition(":")
-    if not sep or not port.isdigit() or not 0 < int(port) < 65536 or not host:
-        raise click.BadParameter(f"expected HOST:PORT (e.g. {LISTEN_DEFAULT}), got {value!r}")
-    return host.strip("[]"), int(port)
+    try:
+        return ServiceConfig(listen=value).address
+    except ConfigError as err:
+        raise click.BadParameter(str(err)) from None
 
 
 def option(*decls: str, env: str, **kwargs: Any) -> Callable[[FC], FC]:
     """A click option that is also the environment variable ``TQMON_<env>``."""
     return click.option(*decls, envvar=f"TQMON_{env}", show_envvar=True, **kwargs)
+
+
+def settings_options(cls: type, env_prefix: str = "") -> Callable[[FC], FC]:
+    """One option per field of the settings dataclass ``cls`` that carries a help, with its default; each is
+    also ``TQMON_<env_prefix><FIELD>``. A field holding a nested settings dataclass adds its fields
+    prefixed with the field's name (``tq`` -> ``--tq-budget``)."""
+
+    def decorate(func: FC) -> FC:
+        for name, spec, hint in reversed(list(settings_fields(cls))):
+            many = get_origin(hint) is tuple
+            kinds = [arg for arg in (hint, *get_args(hint)) if arg is not type(None)]
+            kwargs: dict[str, Any] = {"multiple": many, "metavar": spec.metadata.get("metavar")}
+            if get_origin(hint) is Literal:
+                kwargs["type"] = click.Choice(get_args(hint))
+            elif Path in kinds:
+                kwargs["type"] = click.Path(file_okay=False, path_type=Path)
+            else:
+                kwargs["type"] = str if many else next(k for k in kinds if isinstance(k, type))
+            if spec.default not in (None, ()):
+                kwargs["show_default"] = True
+            func = option(
+                "--" + name.replace("_", "-"),
+                name,
+                default=spec.default,
+                help=spec.metadata["help"],
+                env=env_prefix + name.upper(),
+                **kwargs,
+            )(func)
+        return func
+
+    return decorate
+
+
+def settings_fields(cls: type, prefix: str = "") -> Iterator[tuple[str, Field[Any], Any]]:
+    """(flag name, field, type) of every field of ``cls`` that is a flag, nested settings flattened."""
+    hints = get_type_hints(cls)
+    for spec in fields(cls):
+        if is_dataclass(hints[spec.name]):
+            yield from settings_fields(hints[spec.name], f"{prefix}{spec.name}_")
+        elif "help" in spec.metadata:
+            yield prefix + spec.name, spec, hints[spec.name]
+
+
+def from_flags(cls: type[T], flags: dict[str, Any], prefix: str = "") -> T:
+    """The settings dataclass ``cls`` from the values of its ``settings_options``."""
+    hints = get_type_hints(cls)
+    values: dict[str, Any] = {}
+    for spec in fields(cls):  # type: ignore[arg-type]
+        if is_dataclass(hints[spec.name]):
+            values[spec.name] = from_flags(hints[spec.name], flags, f"{prefix}{spec.name}_")
+        elif "help" in spec.metadata:
+            values[spec.name] = flags[prefix + spec.name]
+    return cls(**values)
 
 
 def _threshold(ctx: click.Context, param: click.Parameter, value: str | None) -> int | None:
@@ -162,184 +214,18 @@ def main() -> None:
 
 
 @main.command()
-@option("--listen", default=LISTEN_DEFAULT, show_default=True, help="HOST:PORT to serve on.", env="LISTEN")
-@option(
-    "--state-dir",
-    type=click.Path(file_okay=False, path_type=Path),
-    default=Path("tqmon-state"),
-    show_default=True,
-    help="Directory for the SQLite state (resume history, counters, log offsets); survives restarts.",
-    env="STATE_DIR",
-)
-@option(
-    "--log",
-    "logs",
-    multiple=True,
-    metavar="PATH",
-    help="verl trainer log to follow like tail -F (repeatable, globs allowed; the env var is space-separated).",
-    env="LOG",
-)
-@option(
-    "--jsonl",
-    "jsonl",
-    multiple=True,
-    metavar="PATH",
-    help="verl's file-logger metrics (trainer.logger=[...,file], VERL_FILE_LOGGER_PATH): step times, generation "
-    "wait and evictions by reason. Truncated by verl on every restart; repeatable, globs allowed.",
-    env="JSONL",
-)
-@option(
-    "--log-interval",
-    type=float,
-    default=1.0,
-    show_default=True,
-    help="Seconds between polls of the --log and --jsonl files.",
-    env="LOG_INTERVAL",
-)
-@option(
-    "--token",
-    default=None,
-    help="Bearer token the event API requires; mandatory when --listen is not a loopback address.",
-    env="TOKEN",
-)
-@option(
-    "--stale-after",
-    type=float,
-    default=300.0,
-    show_default=True,
-    help="Seconds after which a source's live data is dropped from /metrics and the source reads down.",
-    env="STALE_AFTER",
-)
-@option(
-    "--max-body-bytes",
-    type=int,
-    default=1 << 20,
-    show_default=True,
-    help="Largest event API body accepted.",
-    env="MAX_BODY_BYTES",
-)
-@option(
-    "--log-level",
-    type=click.Choice(["debug", "info", "warning", "error"]),
-    default="info",
-    show_default=True,
-    help="tqmon's own logging.",
-    env="LOG_LEVEL",
-)
-@option(
-    "--checkpoint-dir",
-    type=click.Path(file_okay=False, path_type=Path),
-    default=None,
-    help="verl's trainer.default_local_dir: predict the next resume from its latest TransferQueue checkpoint "
-    "(read-only).",
-    env="CHECKPOINT_DIR",
-)
-@option(
-    "--checkpoint-interval",
-    type=float,
-    default=10.0,
-    show_default=True,
-    help="Seconds between checkpoint dir polls.",
-    env="CHECKPOINT_INTERVAL",
-)
-@option(
-    "--ray-address",
-    default=None,
-    metavar="ADDR|auto",
-    help="Watch the live TransferQueue of the Ray cluster at ADDR (GCS host:port; 'auto' = the local cluster). "
-    "Read-only: tqmon never calls tq.init/tq.close and creates nothing in the cluster. Default: off.",
-    env="RAY_ADDRESS",
-)
-@option(
-    "--tq-timeout",
-    type=float,
-    default=5.0,
-    show_default=True,
-    help="Hard timeout of every call to Ray and the TQ controller; a lost controller reads down within it.",
-    env="TQ_TIMEOUT",
-)
-@option(
-    "--tq-budget",
-    type=float,
-    default=0.01,
-    show_default=True,
-    help="Largest share of the TQ controller's request thread tqmon's kv_list polls may take (0.01 = 1%%); "
-    "wins over --tq-max-interval.",
-    env="TQ_BUDGET",
-)
-@option(
-    "--tq-min-interval",
-    type=float,
-    default=1.0,
-    show_default=True,
-    help="Fastest poll interval, used for --tq-fast-period seconds after a resume or a new controller.",
-    env="TQ_MIN_INTERVAL",
-)
-@option(
-    "--tq-max-interval",
-    type=float,
-    default=15.0,
-    show_default=True,
-    help="Steady poll interval, unless the budget needs longer.",
-    env="TQ_MAX_INTERVAL",
-)
-@option(
-    "--tq-fast-period",
-    type=float,
-    default=300.0,
-    show_default=True,
-    help="Seconds of fast polling after a resume is detected (when the window matters most).",
-    env="TQ_FAST_PERIOD",
-)
+@settings_options(ServiceConfig)
 @trainer_config_options
-def serve(
-    listen: str,
-    state_dir: Path,
-    logs: tuple[str, ...],
-    jsonl: tuple[str, ...],
-    log_interval: float,
-    token: str | None,
-    stale_after: float,
-    max_body_bytes: int,
-    log_level: str,
-    checkpoint_dir: Path | None,
-    checkpoint_interval: float,
-    ray_address: str | None,
-    tq_timeout: float,
-    tq_budget: float,
-    tq_min_interval: float,
-    tq_max_interval: float,
-    tq_fast_period: float,
-    trainer: TrainerFlags,
-) -> None:
+def serve(trainer: TrainerFlags, **flags: Any) -> None:
     """Serve /metrics, /api/v1/status and the trainer event API (POST /api/v1/events).
 
     Sources: trainer logs (--log), verl's JSONL metrics (--jsonl), the checkpoint dir (--checkpoint-dir),
     the live TransferQueue (--ray-address) and events the trainer posts. The trainer config is optional:
     --trainer-config or both --train-batch-size and --num-warmup-batches; a run_started event overrides either.
     """
-    host, port = parse_listen(listen)
-    config = ServiceConfig(
-        host=host,
-        port=port,
-        state_dir=state_dir,
-        log_patterns=tuple(p for item in logs for p in item.split()),
-        jsonl_patterns=tuple(p for item in jsonl for p in item.split()),
-        log_interval=log_interval,
-        token=token or None,
-        stale_after=stale_after,
-        max_body_bytes=max_body_bytes,
-        checkpoint_dir=checkpoint_dir,
-        checkpoint_interval=checkpoint_interval,
-        trainer=trainer.resolve(),
-        ray_address=ray_address,
-        tq_timeout=tq_timeout,
-        tq_budget=PollBudget(
-            budget=tq_budget, min_interval=tq_min_interval, max_interval=tq_max_interval, fast_period=tq_fast_period
-        ),
-    )
+    config = replace(from_flags(ServiceConfig, flags), trainer=trainer.resolve())
     try:
-        serve_forever(config, log_level)
+        serve_forever(config)
     except ConfigError as err:
         raise click.UsageError(str(err)) from err
 
@@ -470,23 +356,6 @@ def demo(
     )
 
 
-def rule_options(func: Callable[..., Any]) -> Callable[..., Any]:
-    """One option per ``RuleConfig`` field, with its help and default; each also ``TQMON_RULES_<FIELD>``."""
-    for spec in reversed(fields(RuleConfig)):
-        many = isinstance(spec.default, tuple)
-        func = option(
-            "--" + spec.name.replace("_", "-"),
-            spec.name,
-            type=str if many else type(spec.default),
-            multiple=many,
-            default=spec.default,
-            show_default=True,
-            help=spec.metadata["help"],
-            env="RULES_" + spec.name.upper(),
-        )(func)
-    return func
-
-
 @main.command("rules")
 @option(
     "--output",
@@ -496,7 +365,7 @@ def rule_options(func: Callable[..., Any]) -> Callable[..., Any]:
     help="Write the rules file here instead of to stdout.",
     env="RULES_OUTPUT",
 )
-@rule_options
+@settings_options(RuleConfig, env_prefix="RULES_")
 def rules_command(output: Path | None, **params: Any) -> None:
     """Prometheus recording and alert rules for your setup (deploy/prometheus/tqmon-rules.yml has the defaults).
 

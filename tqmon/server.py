@@ -251,10 +251,11 @@ def create_app(service: Service, clock: Callable[[], float] = time.time) -> Fast
     return app
 
 
-def serve_forever(config: ServiceConfig, log_level: str = "info") -> None:
+def serve_forever(config: ServiceConfig) -> None:
     """Run until stopped; a setting that cannot work raises :class:`tqmon.service.ConfigError` first."""
-    logging.basicConfig(level=log_level.upper(), format="%(levelname)s:%(asctime)s:%(name)s:%(message)s")
+    logging.basicConfig(level=config.log_level.upper(), format="%(levelname)s:%(asctime)s:%(name)s:%(message)s")
     service = Service(config)
-    host = f"[{config.host}]" if ":" in config.host else config.host
-    print(f"tqmon {__version__} serving on http://{host}:{config.port}/  (metrics: /metrics)", file=sys.stderr)
-    uvicorn.run(create_app(service), host=config.host, port=config.port, log_level=log_level, access_log=False)
+    host, port = config.address
+    shown = f"[{host}]" if ":" in host else host
+    print(f"tqmon {__version__} serving on http://{shown}:{port}/  (metrics: /metrics)", file=sys.stderr)
+    uvicorn.run(create_app(service), host=host, port=port, log_level=config.log_level, access_log=False)

@@ -6,6 +6,7 @@ import ipaddress
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any, Literal
 
 from prometheus_client import CollectorRegistry
 
@@ -14,11 +15,13 @@ from tqmon.sources import SourceName
 from tqmon.sources.checkpoint import CheckpointSource
 from tqmon.sources.logfile import LogSource, parse_jsonl
 from tqmon.sources.polling import Source
-from tqmon.sources.tq import PollBudget, PollerProcess, TQSource
+from tqmon.sources.tq import PollBudget, PollerProcess, PollSettings, TQSource
 from tqmon.store import StateStore
 from tqmon.tracker import Tracker
 from tqmon.warmup import GivenConfig
 
+LISTEN_DEFAULT = "127.0.0.1:9842"
+LogLevel = Literal["debug", "info", "warning", "error"]
 log = logging.getLogger(__name__)
 
 
@@ -35,29 +38,83 @@ class ConfigError(ValueError):
     """A setting that cannot work; the message says which and why."""
 
 
+def _setting(default: Any, help: str, *, metavar: str | None = None) -> Any:
+    """A ``ServiceConfig`` field that is a ``tqmon serve`` flag (and ``TQMON_<NAME>``): declared once here,
+    with its default and help; the CLI, ``--help`` and the README table follow (a test checks the README)."""
+    return field(default=default, metadata={"help": help, "metavar": metavar})
+
+
 @dataclass(frozen=True)
 class ServiceConfig:
-    host: str = "127.0.0.1"
-    port: int = 9842
-    state_dir: Path = Path("tqmon-state")
-    log_patterns: tuple[str, ...] = ()
-    log_interval: float = 1.0
-    jsonl_patterns: tuple[str, ...] = ()
-    token: str | None = None
-    stale_after: float = 300.0
-    max_body_bytes: int = 1 << 20
+    """Everything ``tqmon serve`` is told; frozen (what changes at run time lives in the sources)."""
+
+    listen: str = _setting(LISTEN_DEFAULT, "HOST:PORT to serve on.", metavar="HOST:PORT")
+    state_dir: Path = _setting(
+        Path("tqmon-state"),
+        "Directory for the SQLite state (resume history, counters, log offsets); survives restarts.",
+        metavar="DIR",
+    )
+    log: tuple[str, ...] = _setting(
+        (),
+        "verl trainer log to follow like tail -F (repeatable, globs allowed; the env var is space-separated).",
+        metavar="PATH",
+    )
+    jsonl: tuple[str, ...] = _setting(
+        (),
+        "verl's file-logger metrics (trainer.logger=[...,file], VERL_FILE_LOGGER_PATH): step times, generation "
+        "wait and evictions by reason. Truncated by verl on every restart; repeatable, globs allowed.",
+        metavar="PATH",
+    )
+    log_interval: float = _setting(1.0, "Seconds between polls of the --log and --jsonl files.")
+    token: str | None = _setting(
+        None, "Bearer token the event API requires; mandatory when --listen is not a loopback address."
+    )
+    stale_after: float = _setting(
+        300.0, "Seconds after which a source's live data is dropped from /metrics and the source reads down."
+    )
+    max_body_bytes: int = _setting(1 << 20, "Largest event API body accepted.")
+    log_level: LogLevel = _setting("info", "tqmon's own logging.")
+    checkpoint_dir: Path | None = _setting(
+        None,
+        "verl's trainer.default_local_dir: predict the next resume from its latest TransferQueue checkpoint "
+        "(read-only).",
+        metavar="DIR",
+    )
+    checkpoint_interval: float = _setting(10.0, "Seconds between checkpoint dir polls.")
+    ray_address: str | None = _setting(
+        None,
+        "Watch the live TransferQueue of the Ray cluster at ADDR (GCS host:port; 'auto' = the local cluster). "
+        "Read-only: tqmon never calls tq.init/tq.close and creates nothing in the cluster. Default: off.",
+        metavar="ADDR|auto",
+    )
+    tq_timeout: float = _setting(
+        5.0, "Hard timeout of every call to Ray and the TQ controller; a lost controller reads down within it."
+    )
+    tq: PollSettings = field(default_factory=PollSettings)  # the --tq-* flags
+    trainer: GivenConfig | None = None  # the trainer flags or --trainer-config; run_started overrides it
     process_metrics: bool = True
-    checkpoint_dir: Path | None = None
-    checkpoint_interval: float = 10.0
-    trainer: GivenConfig | None = None  # run_started overrides it
-    ray_address: str | None = None
-    tq_timeout: float = 5.0
-    tq_budget: PollBudget = field(default_factory=PollBudget)
+
+    @property
+    def address(self) -> tuple[str, int]:
+        """``--listen`` as (host, port); ``HOST:PORT`` or ``[IPv6]:PORT``."""
+        host, sep, port = self.listen.rpartition(":")
+        if not sep or not port.isdigit() or not 0 < int(port) < 65536 or not host:
+            raise ConfigError(f"--listen: expected HOST:PORT (e.g. {LISTEN_DEFAULT}), got {self.listen!r}")
+        return host.strip("[]"), int(port)
+
+    @property
+    def log_patterns(self) -> list[str]:
+        return [pattern for item in self.log for pattern in item.split()]
+
+    @property
+    def jsonl_patterns(self) -> list[str]:
+        return [pattern for item in self.jsonl for pattern in item.split()]
 
     def validate(self) -> None:
-        if not is_loopback(self.host) and not self.token:
+        host, _ = self.address
+        if not is_loopback(host) and not self.token:
             raise ConfigError(
-                f"listening on {self.host} (not loopback) requires --token / TQMON_TOKEN: "
+                f"listening on {host} (not loopback) requires --token / TQMON_TOKEN: "
                 "the event API would otherwise accept anyone's events"
             )
         if self.stale_after <= 0:
@@ -69,7 +126,7 @@ class ServiceConfig:
         if self.tq_timeout <= 0:
             raise ConfigError(f"--tq-timeout must be positive, got {self.tq_timeout}")
         try:
-            self.tq_budget.validate()
+            self.tq.validate()
         except ValueError as err:
             raise ConfigError(str(err)) from None
 
@@ -80,7 +137,7 @@ class Service:
     def __init__(self, config: ServiceConfig) -> None:
         config.validate()
         self.config = config
-        self.token = config.token
+        self.token = config.token or None
         self.max_body_bytes = config.max_body_bytes
         self.store = StateStore(config.state_dir)
         self.tracker = Tracker(self.store, stale_after=config.stale_after, given=config.trainer)
@@ -89,13 +146,11 @@ class Service:
             log.info("restored %d events from %s", replayed, self.store.path)
         self.tracker.register_source(SourceName.EVENTS, stale_after=None)
         self.log_source = (
-            LogSource(list(config.log_patterns), self.tracker, interval=config.log_interval)
-            if config.log_patterns
-            else None
+            LogSource(config.log_patterns, self.tracker, interval=config.log_interval) if config.log_patterns else None
         )
         self.jsonl_source = (
             LogSource(
-                list(config.jsonl_patterns),
+                config.jsonl_patterns,
                 self.tracker,
                 interval=config.log_interval,
                 source=SourceName.JSONL,
@@ -110,7 +165,7 @@ class Service:
             else None
         )
         self.tq_source = (
-            TQSource(self.tracker, PollerProcess(config.ray_address, config.tq_timeout), config.tq_budget)
+            TQSource(self.tracker, PollerProcess(config.ray_address, config.tq_timeout), PollBudget(config.tq))
             if config.ray_address
             else None
         )

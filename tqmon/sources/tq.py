@@ -21,7 +21,7 @@ import os
 import signal
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from typing import Any
 
@@ -45,23 +45,29 @@ class TQUnavailable(Exception):
     """The cluster or the controller cannot be reached (yet); the message says which."""
 
 
-@dataclass
-class PollBudget:
-    """Chooses the next poll interval from what polls cost.
+def _poll_setting(default: float, help: str) -> Any:
+    """A ``PollSettings`` field that is the ``tqmon serve --tq-<name>`` flag."""
+    return field(default=default, metadata={"help": help})
 
-    ``kv_list`` runs on the controller's only request thread, so each poll stalls the trainer's own TQ
-    calls for about as long as it takes. tqmon keeps ``cost / interval`` under ``budget``: steady polling
-    at ``max_interval``, the fast end (``min_interval``) for ``fast_period`` seconds after a resume, and
-    slower than both when the budget demands it (the budget always wins: the trainer comes first).
-    """
 
-    budget: float = 0.01
-    min_interval: float = 1.0
-    max_interval: float = 15.0
-    fast_period: float = 300.0
-    smoothing: float = 0.3
-    cost: float | None = None  # smoothed seconds per kv_list
-    fast_until: float = 0.0
+@dataclass(frozen=True)
+class PollSettings:
+    """How tqmon may load the controller: ``kv_list`` runs on its only request thread, so each poll stalls
+    the trainer's own TQ calls for about as long as it takes."""
+
+    budget: float = _poll_setting(
+        0.01,
+        "Largest share of the TQ controller's request thread tqmon's kv_list polls may take (0.01 = 1%); "
+        "wins over --tq-max-interval.",
+    )
+    min_interval: float = _poll_setting(
+        1.0, "Fastest poll interval, used for --tq-fast-period seconds after a resume or a new controller."
+    )
+    max_interval: float = _poll_setting(15.0, "Steady poll interval, unless the budget needs longer.")
+    fast_period: float = _poll_setting(
+        300.0, "Seconds of fast polling after a resume is detected (when the window matters most)."
+    )
+    smoothing: float = 0.3  # weight of the newest poll's cost in the running estimate
 
     def validate(self) -> None:
         if not 0 < self.budget <= 1:
@@ -73,16 +79,31 @@ class PollBudget:
         if self.fast_period < 0:
             raise ValueError(f"--tq-fast-period must not be negative, got {self.fast_period}")
 
+
+@dataclass
+class PollBudget:
+    """Chooses the next poll interval from what polls cost (the poller's run-time state).
+
+    tqmon keeps ``cost / interval`` under ``settings.budget``: steady polling at ``max_interval``, the fast
+    end (``min_interval``) for ``fast_period`` seconds after a resume, and slower than both when the
+    budget demands it (the budget always wins: the trainer comes first).
+    """
+
+    settings: PollSettings = field(default_factory=PollSettings)
+    cost: float | None = None  # smoothed seconds per kv_list
+    fast_until: float = 0.0
+
     def record(self, seconds: float) -> None:
-        self.cost = seconds if self.cost is None else self.smoothing * seconds + (1 - self.smoothing) * self.cost
+        weight = self.settings.smoothing
+        self.cost = seconds if self.cost is None else weight * seconds + (1 - weight) * self.cost
 
     def hurry(self, now: float) -> None:
         """A resume (or a new controller) was seen: the window matters most now."""
-        self.fast_until = now + self.fast_period
+        self.fast_until = now + self.settings.fast_period
 
     def interval(self, now: float, last_cost: float = 0.0) -> float:
-        floor = max(self.cost or 0.0, last_cost) / self.budget
-        wanted = self.min_interval if now < self.fast_until else self.max_interval
+        floor = max(self.cost or 0.0, last_cost) / self.settings.budget
+        wanted = self.settings.min_interval if now < self.fast_until else self.settings.max_interval
         return max(wanted, floor)
 
     def busy_ratio(self, interval: float) -> float | None:
@@ -337,9 +358,9 @@ class TQSource:
         self._starts_seen = tracker.progress().starts
         self._epochs = tracker.controller_epochs()
         self._lost = False
-        self._loop = PollingLoop(self.name, tracker, self.poll, budget.max_interval, interrupt=poller.close)
-        tracker.register_source(self.name, stale_after=self.horizon(budget.max_interval))
-        tracker.drop_windows(self.name, self._view(budget.max_interval, None))
+        self._loop = PollingLoop(self.name, tracker, self.poll, budget.settings.max_interval, interrupt=poller.close)
+        tracker.register_source(self.name, stale_after=self.horizon(budget.settings.max_interval))
+        tracker.drop_windows(self.name, self._view(budget.settings.max_interval, None))
 
     def start(self) -> None:
         self._loop.start()
@@ -394,7 +415,7 @@ class TQSource:
         interval = self.budget.interval(self._clock())
         self.tracker.drop_windows(self.name, self._view(interval, None))
         self.tracker.source_failed(self.name, error_kind(err), f"{type(err).__name__}: {err}", duration=duration)
-        return min(interval, self.budget.max_interval)
+        return min(interval, self.budget.settings.max_interval)
 
     def _view(self, interval: float, keys: int | None) -> TQPollView:
         return TQPollView(
