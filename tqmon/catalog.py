@@ -9,7 +9,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
-from tqmon.sources import SourceName
+from tqmon.snapshot import SourceName
 from tqmon.warmup import DOOM_REASONS, PARTITIONS, PROMPT_STATUSES, WarmupState
 
 

@@ -236,7 +236,7 @@ def serve(trainer: TrainerFlags, **flags: Any) -> None:
 def analyze(logs: tuple[str, ...], as_json: bool) -> None:
     """Print the resume records and verdicts found in finished verl logs (read in the order given)."""
     from tqmon.report import table
-    from tqmon.sources import SourceName
+    from tqmon.snapshot import SourceName
     from tqmon.sources.logfile import ingest_file
     from tqmon.store import StateStore
     from tqmon.tracker import Tracker

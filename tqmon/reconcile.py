@@ -29,8 +29,7 @@ from tqmon.events import (
     restored_groups,
     status_counts,
 )
-from tqmon.snapshot import CheckpointView, Evidence, ResumeRecord, RunInfo, WindowView
-from tqmon.sources import SourceName
+from tqmon.snapshot import CheckpointView, Evidence, ResumeRecord, RunInfo, SourceName, WindowView
 from tqmon.warmup import (
     DOOM_REASONS,
     PROMPT_STATUSES,
@@ -46,6 +45,7 @@ from tqmon.warmup import (
     legacy_submitted,
     skip_reason,
     target_window,
+    under_submitted,
 )
 
 STEP_RATE_WINDOW = 10  # steps averaged for the step duration
@@ -140,7 +140,7 @@ def derive_record(
     if target is not None and restored is not None and submitted is not None:
         # Unknown doom reasons count as 0, so with a bare log this is a lower bound of the deficit.
         lost = sum((doomed or {}).values())
-        under = max(0, target - (restored - lost + submitted))
+        under = under_submitted(target, restored, min(lost, restored), submitted)
     reissued, cleared = obs.reissued, obs.cleared
     if reissued is None and (not obs.resumed or obs.decided or obs.sealed):
         # verl re-issues before the warmup and logs nothing when there was nothing in flight.

@@ -24,8 +24,7 @@ from tqmon.events import EVENT_TYPE_NAMES, Event, describe_validation
 from tqmon.exporters.prometheus import render
 from tqmon.report import verdict
 from tqmon.service import Service, ServiceConfig
-from tqmon.snapshot import CheckpointView, ResumeRecord, RunInfo, Snapshot, TQPollView, WindowView
-from tqmon.sources import SourceName
+from tqmon.snapshot import CheckpointView, ResumeRecord, RunInfo, Snapshot, SourceName, TQPollView, WindowView
 
 EVENTS_ADAPTER: TypeAdapter[list[Event]] = TypeAdapter(list[Event])
 BODY_ADAPTER: TypeAdapter[Event | list[Event]] = TypeAdapter(Event | list[Event])

@@ -11,7 +11,7 @@ from typing import Any, Literal
 from prometheus_client import CollectorRegistry
 
 from tqmon.exporters.prometheus import build_registry
-from tqmon.sources import SourceName
+from tqmon.snapshot import SourceName
 from tqmon.sources.checkpoint import CheckpointSource
 from tqmon.sources.logfile import LogSource, parse_jsonl
 from tqmon.sources.polling import Source

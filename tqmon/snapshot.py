@@ -10,6 +10,16 @@ from typing import Any
 from tqmon.warmup import WarmupState
 
 
+class SourceName(enum.StrEnum):
+    """Every source tqmon has; the values of the ``source`` label. A new source adds its name here."""
+
+    TQ = "tq"
+    CHECKPOINT = "checkpoint"
+    LOG = "log"
+    JSONL = "jsonl"
+    EVENTS = "events"
+
+
 class Tally(enum.StrEnum):
     """What the tracker counts (label values in the comments); the exporters name the metric of each."""
 

@@ -16,8 +16,7 @@ from dataclasses import dataclass
 from tqmon import __version__
 from tqmon.events import Event
 from tqmon.reconcile import Reconciler
-from tqmon.snapshot import Evidence, Snapshot, SourceHealth, Tally, TQPollView, WindowView
-from tqmon.sources import SourceName
+from tqmon.snapshot import Evidence, Snapshot, SourceHealth, SourceName, Tally, TQPollView, WindowView
 from tqmon.store import StateStore
 from tqmon.warmup import GivenConfig
 

@@ -19,7 +19,6 @@ TrainerMode = Literal["colocate_async", "separate_async", "sync"]
 TRAINER_MODES = frozenset(get_args(TrainerMode))
 ASYNC_MODES = TRAINER_MODES - {"sync"}
 OffPolicyStrategy = Literal["drop", "wait"]
-OFF_POLICY_STRATEGIES = frozenset(get_args(OffPolicyStrategy))
 PromptStatus = Literal["pending", "running", "finished", "failure"]
 PROMPT_STATUSES: tuple[PromptStatus, ...] = get_args(PromptStatus)
 INFLIGHT_STATUSES = frozenset({"pending", "running"})

@@ -9,8 +9,7 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 
 from tqmon.catalog import BY_NAME, MetricSpec
-from tqmon.snapshot import Snapshot, Tally
-from tqmon.sources import SourceName
+from tqmon.snapshot import Snapshot, SourceName, Tally
 from tqmon.warmup import PROMPT_STATUSES
 
 Labels = tuple[str, ...]

@@ -7,7 +7,7 @@ from pathlib import Path
 
 from tqmon.checkpoint.layout import read_checkpoint, signature
 from tqmon.checkpoint.unpickler import CheckpointError
-from tqmon.sources import SourceName
+from tqmon.snapshot import SourceName
 from tqmon.sources.polling import PollingLoop
 from tqmon.tracker import Tracker
 

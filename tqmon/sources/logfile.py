@@ -16,8 +16,7 @@ from dataclasses import dataclass
 from typing import BinaryIO
 
 from tqmon.events import Event
-from tqmon.snapshot import Evidence
-from tqmon.sources import SourceName
+from tqmon.snapshot import Evidence, SourceName
 from tqmon.sources.jsonlparse import parse_jsonl_line
 from tqmon.sources.logparse import ParsedLine, parse_line
 from tqmon.sources.polling import PollingLoop

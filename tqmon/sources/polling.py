@@ -13,7 +13,7 @@ import threading
 from collections.abc import Callable
 from typing import Protocol
 
-from tqmon.sources import SourceName
+from tqmon.snapshot import SourceName
 from tqmon.tracker import Tracker
 
 JOIN_TIMEOUT = 15.0  # seconds ``stop`` waits for a poll in flight (a TQ poll is bounded by its own timeout)

@@ -27,8 +27,7 @@ from typing import Any
 
 from tqmon.catalog import AGE_BUCKETS
 from tqmon.composition import Composition, CompositionError, compose
-from tqmon.snapshot import TQPollView, WindowView
-from tqmon.sources import SourceName
+from tqmon.snapshot import SourceName, TQPollView, WindowView
 from tqmon.sources.polling import PollingLoop
 from tqmon.tracker import Tracker
 from tqmon.warmup import PARTITIONS
