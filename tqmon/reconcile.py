@@ -10,7 +10,7 @@ store, and why ``tqmon inspect`` predicts a resume with the very derivation the 
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field, replace
 from statistics import fmean
 from typing import Any
@@ -332,6 +332,15 @@ class Reconciler:
         """T of the newest start, or the config's while there is none (or it did not say)."""
         last = self.records[-1] if self.records else None
         return last.target if last is not None and last.target is not None else window_target(self.warmup_config)
+
+    def observe_windows(self, windows: Iterable[WindowView]) -> None:
+        """Live windows from a poller, each superseding its partition's last view."""
+        for window in windows:
+            self.windows[window.partition] = window
+
+    def drop_windows(self, source: str) -> None:
+        """Forget a source's windows: a lost controller's last reply must not be served as fresh."""
+        self.windows = {p: w for p, w in self.windows.items() if w.source != source}
 
     def hint(self, evidence: Evidence) -> None:
         """A sign of a trainer restart that is not itself a verl event (a new TQ controller, a truncated JSONL).

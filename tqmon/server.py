@@ -37,7 +37,7 @@ class IngestResult(BaseModel):
 
 
 class Problem(BaseModel):
-    """Every rejection: ``reason`` is the ``tqmon_events_rejected_total`` label, ``detail`` names the field."""
+    """Every rejection: ``reason`` is the label of the rejected-events tally, ``detail`` names the field."""
 
     reason: str
     detail: str

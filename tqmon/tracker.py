@@ -159,15 +159,14 @@ class Tracker:
     def observe_windows(self, windows: Sequence[WindowView], poll: TQPollView) -> None:
         """Live windows from a poll; not persisted (the next poll supersedes them)."""
         with self._lock:
-            for window in windows:
-                self._state.windows[window.partition] = window
+            self._state.observe_windows(windows)
             self._tq = poll
             self._publish()
 
     def drop_windows(self, source: str, poll: TQPollView | None = None) -> None:
         """Forget a source's windows at once: a lost controller's last reply must not be served as fresh."""
         with self._lock:
-            self._state.windows = {p: w for p, w in self._state.windows.items() if w.source != source}
+            self._state.drop_windows(source)
             if poll is not None:
                 self._tq = poll
             self._publish()
