@@ -304,7 +304,7 @@ def main() -> None:
     type=float,
     default=0.01,
     show_default=True,
-    help="Largest share of the TQ controller's request thread tqmon's kv_list polls may take (0.01 = 1%%); "
+    help="Largest share of the TQ controller's request thread tqmon's kv_list polls may take (0.01 = 1%); "
     "wins over --tq-max-interval.",
     env="TQ_BUDGET",
 )

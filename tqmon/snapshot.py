@@ -137,6 +137,7 @@ class Snapshot:
     tq: TQPollView | None
     sources: tuple[SourceHealth, ...]
     counters: Mapping[str, Mapping[tuple[str, ...], int]]  # catalog name -> label values -> value
+    recent_records: tuple[ResumeRecord, ...] = ()  # the last few starts, oldest first (the status page's)
 
     def fresh_windows(self, now: float) -> tuple[WindowView, ...]:
         """Windows observed within ``stale_after``: frozen data is never served as fresh."""

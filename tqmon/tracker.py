@@ -59,6 +59,7 @@ EPOCH_CURSOR = "tq:controller"
 STEP_RATE_WINDOW = 10  # steps averaged for the step duration
 KEPT_COMPOSITIONS = 16  # checkpoint compositions kept for matching resumes to what they loaded
 RESTART_CLAIM_SECONDS = 600.0  # a restart hint and a start reported this close together are one restart
+RECENT_RECORDS = 10  # starts the snapshot carries for the status page
 
 _SKIP_STATES = {
     "sync_mode": WarmupState.SYNC_MODE,
@@ -655,6 +656,7 @@ class Tracker:
                 for name, h in sorted(self._health.items())
             ),
             counters={name: dict(values) for name, values in self._counters.items()},
+            recent_records=tuple(self._records[-RECENT_RECORDS:]),
         )
 
 
