@@ -14,10 +14,12 @@ import os
 import shutil
 import struct
 import subprocess
+import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from html.parser import HTMLParser
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
@@ -27,9 +29,10 @@ import pytest
 
 from tests.conftest import TqmonProcess
 from tqmon.conditions import EVALUATORS, NEEDS_PROMETHEUS
+from tqmon.exporters.html import render
 from tqmon.rules import RuleConfig, alerts
-
-pytestmark = pytest.mark.e2e
+from tqmon.snapshot import Evidence, ResumeRecord, Snapshot, SourceHealth
+from tqmon.warmup import WarmupState
 
 Factory = Callable[..., TqmonProcess]
 SCREENSHOT = Path(__file__).resolve().parent.parent / "docs" / "status-page.png"
@@ -285,6 +288,7 @@ def conditions(dom: Node) -> dict[str, str]:
 # ---------------------------------------------------------------- tests
 
 
+@pytest.mark.e2e
 def test_flagged_resume_in_chromium(tqmon_factory: Factory, tmp_path: Path) -> None:
     missing_jsonl = tmp_path / "verl-metrics.jsonl"  # never created: the jsonl source reads down
     proc = tqmon_factory(["--jsonl", str(missing_jsonl), "--log-interval", "0.2"]).start()
@@ -360,6 +364,7 @@ def test_flagged_resume_in_chromium(tqmon_factory: Factory, tmp_path: Path) -> N
         shutil.copyfile(shot, SCREENSHOT)
 
 
+@pytest.mark.e2e
 def test_healthy_resume_in_chromium(tqmon_factory: Factory, tmp_path: Path) -> None:
     proc = tqmon_factory().start()
     post(proc, healthy(time.time()))
@@ -394,11 +399,14 @@ def test_healthy_resume_in_chromium(tqmon_factory: Factory, tmp_path: Path) -> N
     assert next(n for n in dom.iter() if n.tag == "title").text() == "tqmon — ok"
 
 
+@pytest.mark.e2e
 def test_docs_render_offline_and_openapi_lists_the_page(tqmon_factory: Factory, tmp_path: Path) -> None:
     proc = tqmon_factory().start()
     schema = httpx.get(proc.url + "/openapi.json", timeout=10).json()
     assert {"/", "/metrics", "/rules", "/api/v1/status", "/api/v1/events"} <= set(schema["paths"])
     assert "text/html" in schema["paths"]["/"]["get"]["responses"]["200"]["content"]
+    metrics = schema["paths"]["/metrics"]["get"]["responses"]["200"]["content"]
+    assert {"text/plain", "application/openmetrics-text"} <= set(metrics)
 
     rules = httpx.get(proc.url + "/rules", timeout=10)
     assert rules.status_code == 200 and "alert: TQMonWarmupUnderSubmitted" in rules.text
@@ -409,3 +417,110 @@ def test_docs_render_offline_and_openapi_lists_the_page(tqmon_factory: Factory, 
     assert {"/docs", "/openapi.json", "/static-offline-docs/swagger-ui-bundle.js"} <= paths
     operations = {n.attrs["data-path"] for n in dom.iter() if "data-path" in n.attrs}
     assert {"/", "/metrics", "/api/v1/events"} <= operations
+
+
+@pytest.mark.e2e
+def test_page_says_when_it_stops_updating(tqmon_factory: Factory, tmp_path: Path) -> None:
+    """tqmon's page, served once and then answered 503 (tqmon gone): the header must say the figures are old."""
+    proc = tqmon_factory().start()
+    post(proc, healthy(time.time()))
+    page = httpx.get(proc.url + "/", timeout=10).content
+    served: list[int] = []
+
+    class Once(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            served.append(1)
+            status, body = (200, page) if len(served) == 1 else (503, b"gone")
+            self.send_response(status)
+            self.send_header("content-type", "text/html; charset=utf-8")
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *_args: object) -> None:
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Once)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        out, _ = chromium(
+            tmp_path, f"http://127.0.0.1:{server.server_port}/", "--dump-dom", "--virtual-time-budget=6000"
+        )
+    finally:
+        server.shutdown()
+    live = parse(out).find(id="live")
+    assert live.attrs["class"] == "live failed"
+    assert live.text().startswith("NOT UPDATING: tqmon unreachable (HTTP 503)")
+    assert parse(out).find(data_k="verdict").text() == "ok"  # the last good rendering stays
+    assert len(served) >= 2
+
+
+# ---------------------------------------------------------------- the renderer alone, on hand-made snapshots
+
+T1 = 1_764_550_000.0
+
+
+def snapshot(record: ResumeRecord | None, sources: tuple[SourceHealth, ...] = ()) -> Snapshot:
+    return Snapshot(
+        built_at=T1,
+        version="0.1.0",
+        stale_after=300.0,
+        run=None,
+        target_window=None if record is None else record.target,
+        windows=(),
+        trainer_step=None,
+        trainer_last_event=None,
+        trainer_step_seconds=None,
+        resumes_total=0 if record is None else int(record.resumed),
+        records_total=0 if record is None else 1,
+        last_record=record,
+        checkpoint=None,
+        tq=None,
+        sources=sources,
+        counters={"tqmon_source_errors_total": {("log", "unavailable"): 3}},
+        recent_records=() if record is None else (record,),
+    )
+
+
+def test_a_log_only_start_shows_every_unknown_and_a_lower_bound() -> None:
+    """The log gives only R's total and no doom reason: the deficit counts all three as 0."""
+    record = ResumeRecord(
+        index=0,
+        resumed=True,
+        started_at=T1 - 30,
+        checkpoint_step=6,
+        restored=6,
+        restored_by_status={"unknown": 6},
+        reissued=0,
+        target=8,
+        expected=2,
+        submitted=2,
+        over_restored=0,
+        doomed=None,
+        under_submitted=0,
+        warmup_state=WarmupState.TOPPED_UP,
+        evidence=(Evidence("log", "checkpoint_restored", "log:a:3", T1 - 29, "restored_prompt_groups=6"),),
+    )
+    down = SourceHealth("log", False, None, None, 'no file matches <b>"/x/*.log"</b>', 300.0)
+    dom = parse(render(snapshot(record, (down,)), T1))
+    assert values(dom)["deficit"] == "≥ 0" and values(dom)["deficit-kind"] == "lower bound"
+    assert values(dom)["doomed"] == "–"
+    last = dom.find(id="last-start").text()
+    assert "failure ? · stale ? · filtered ? (total –)" in last
+    assert "unknown 6 (only the total was reported)" in last
+    assert "doomed failure, stale, filtered not known, counted as 0" in last
+    assert "No fresh live window" in dom.find(id="window").text()
+    assert "No checkpoint seen" in dom.find(id="checkpoint").text()
+    log = dom.find(data_source="log")
+    cells = [td.text() for td in log.children if isinstance(td, Node)]
+    assert cells == ["log", "DOWN", "–", "", "after 300 s", "3", 'no file matches <b>"/x/*.log"</b>']  # literal
+    assert [n.tag for n in log.iter() if n.tag == "b"] == []
+    assert conditions(dom)["TQMonSourceDown"] == "true"
+
+
+def test_no_start_yet() -> None:
+    dom = parse(render(snapshot(None), T1))
+    assert dom.find(data_k="verdict").text() == "no trainer start observed yet"
+    assert "No trainer start observed yet" in dom.find(id="last-start").text()
+    assert dom.find_all(id="starts") == []
+    assert {name for name, state in conditions(dom).items() if state == "true"} == set()

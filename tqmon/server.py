@@ -83,7 +83,12 @@ def create_app(service: Service) -> FastAPI:
     def rules() -> str:
         return render_rules()
 
-    @app.get("/metrics", response_class=PlainTextResponse, summary="Prometheus text or OpenMetrics (by Accept)")
+    @app.get(
+        "/metrics",
+        response_class=PlainTextResponse,
+        summary="Prometheus text, or OpenMetrics when the Accept header asks for it",
+        responses={200: {"content": {"application/openmetrics-text": {}}}},
+    )
     def metrics(request: Request) -> Response:
         body, content_type = render(service.registry, request.headers.get("accept"))
         return Response(body, media_type=content_type)
