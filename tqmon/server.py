@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import hmac
-import html
 import json
 import logging
 import sys
@@ -16,13 +15,16 @@ from typing import Any
 import uvicorn
 from fastapi import FastAPI, Query, Request
 from fastapi.openapi.utils import get_openapi
-from fastapi.responses import HTMLResponse, JSONResponse, Response
+from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse, Response
+from fastapi_offline import FastAPIOffline
 from pydantic import BaseModel, TypeAdapter, ValidationError
 
 from tqmon import __version__
 from tqmon.events import EVENT_TYPE_NAMES, Event, describe_validation
+from tqmon.exporters.html import render as render_status_page
 from tqmon.exporters.prometheus import render
 from tqmon.report import verdict
+from tqmon.rules import render as render_rules
 from tqmon.service import Service, ServiceConfig
 from tqmon.snapshot import CheckpointView, ResumeRecord, RunInfo, Snapshot, SourceName, TQPollView, WindowView
 
@@ -132,34 +134,27 @@ def create_app(service: Service, clock: Callable[[], float] = time.time) -> Fast
         finally:
             service.stop()
 
-    app = FastAPI(
+    app = FastAPIOffline(  # Swagger UI's assets served from the package, not a CDN
         title="tqmon",
         version=__version__,
         description="Observability sidecar for verl V1 async training's TransferQueue prefetch window.",
         lifespan=lifespan,
     )
 
-    @app.get("/", response_class=HTMLResponse, include_in_schema=False)
-    def landing() -> str:
-        snapshot = service.tracker.snapshot
-        record = snapshot.last_record
-        summary = "no resume observed yet" if record is None else f"last start: {verdict(record)}"
-        links = "".join(
-            f'<li><a href="{href}">{html.escape(label)}</a></li>'
-            for href, label in (
-                ("/metrics", "metrics"),
-                ("/api/v1/status", "status (JSON)"),
-                ("/healthz", "healthz"),
-                ("/readyz", "readyz"),
-                ("/docs", "API docs"),
-            )
-        )
-        return (
-            f"<!doctype html><html><head><title>tqmon</title></head><body><h1>tqmon {__version__}</h1>"
-            f"<p>{html.escape(summary)}; {snapshot.resumes_total} resumes.</p><ul>{links}</ul></body></html>"
-        )
+    @app.get("/", response_class=HTMLResponse, summary="Status page: the last starts, the window, alerts, sources")
+    def status_page() -> str:
+        return render_status_page(service.tracker.snapshot, clock())
 
-    @app.get("/metrics", include_in_schema=False)
+    @app.get("/rules", response_class=PlainTextResponse, summary="The shipped Prometheus alert rules (YAML)")
+    def rules() -> str:
+        return render_rules()
+
+    @app.get(
+        "/metrics",
+        response_class=PlainTextResponse,
+        summary="Prometheus text, or OpenMetrics when the Accept header asks for it",
+        responses={200: {"content": {"application/openmetrics-text": {}}}},
+    )
     def metrics(request: Request) -> Response:
         body, content_type = render(service.registry, request.headers.get("accept"))
         return Response(body, media_type=content_type)
