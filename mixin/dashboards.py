@@ -148,6 +148,7 @@ def _base(uid: str, title: str, description: str, *, multi: bool) -> dashboard.D
     for variable in _variables(multi=multi):
         builder = builder.with_variable(variable)
     alerts = f'ALERTS{{alertname=~"TQMon.*",alertstate="firing",{SEL}}}'
+    builder = builder.annotation(_lost_windows())
     return builder.annotation(
         dashboard.AnnotationQuery()
         .name("Resumes")
@@ -162,6 +163,20 @@ def _base(uid: str, title: str, description: str, *, multi: bool) -> dashboard.D
         .enable(True)
         .icon_color("red")
         .expr(alerts)
+    )
+
+
+def _lost_windows() -> dashboard.AnnotationQuery:
+    """Marks the starts whose checkpoint held no transfer_queue/ (see the TQMonResumeLostWindow runbook)."""
+    lost = f'tqmon_resume_warmup_state{{state="lost_window",{SEL}}} == 1'
+    started = f"changes(tqmon_last_resume_timestamp_seconds{{{SEL}}}[2m]) > 0"
+    return (
+        dashboard.AnnotationQuery()
+        .name("Lost windows")
+        .datasource(DATASOURCE)
+        .enable(True)
+        .icon_color("orange")
+        .expr(f"{lost} and ignoring (state) {started}")
     )
 
 
@@ -246,7 +261,8 @@ def _resume_row(builder: dashboard.Dashboard) -> dashboard.Dashboard:
         .with_panel(
             _state(
                 "Warmup decision",
-                "What the warmup did: topped_up, skipped_full, skipped_over_restored, disabled, legacy_unconditional…",
+                "What the warmup did: topped_up, skipped_full, skipped_over_restored, disabled, legacy_unconditional,"
+                " lost_window…",
                 query(f"tqmon_resume_warmup_state{{{SEL}}} == 1", "{{state}}"),
                 span=8,
             )
@@ -287,6 +303,27 @@ def _resume_row(builder: dashboard.Dashboard) -> dashboard.Dashboard:
                 groups,
                 query(f"{USEFUL_AFTER_WARMUP}{{{SEL}}}", "useful"),
                 query(f"tqmon_resume_under_submitted_prompt_groups{{{SEL}}}", "deficit"),
+                span=8,
+            )
+        )
+        .with_panel(
+            _stat(
+                "Sources that disagree",
+                "Quantities of the last start that two sources reported differently (log, plugin, checkpoint,"
+                " config, live window); /api/v1/status names them. See the TQMonResumeSourcesDisagree runbook.",
+                "none",
+                query(f"tqmon_resume_source_disagreements{{{SEL}}} > 0", "{{quantity}}"),
+                query(f"sum without (quantity) (tqmon_resume_source_disagreements{{{SEL}}})", "total"),
+                span=16,
+            )
+        )
+        .with_panel(
+            _stat(
+                "Lost window",
+                "Prompt groups the last start lost because its checkpoint held no transfer_queue/ (absent: none"
+                " lost, or unknown).",
+                groups,
+                query(f"tqmon_resume_lost_prompt_groups{{{SEL}}}", "lost"),
                 span=8,
             )
         )

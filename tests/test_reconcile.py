@@ -123,6 +123,15 @@ CASES = [
         expect={"run_id": "r", "expected": 3},
     ),
     Case(
+        "a resume without a restore line before its warmup lost its window: the live window before tells how much",
+        [
+            ev("window_observed", by_status={"pending": 3, "running": 2, "finished": 6, "failure": 1}),
+            *resume(40, None, target_prompt_groups=12, restored_prompt_groups=0, submitted_prompt_groups=12),
+        ],
+        WarmupState.LOST_WINDOW,
+        expect={"restored": 0, "expected": 12, "submitted": 12, "under_submitted": 0, "lost_prompt_groups": 12},
+    ),
+    Case(
         "without a config or a warmup line nothing is decided",
         resume(40, 9),
         WarmupState.UNKNOWN,

@@ -80,6 +80,10 @@ def healthy() -> dict[str, str]:
             for r in BY_NAME["tqmon_resume_doomed_prompt_groups"].labels[0].values or ()
         },
         **stateset("tqmon_resume_warmup_state", "topped_up"),
+        **{
+            s("tqmon_resume_source_disagreements", quantity=q): "0x240"
+            for q in BY_NAME["tqmon_resume_source_disagreements"].labels[0].values or ()
+        },
         **stateset("tqmon_window_status", "ok"),
         **{s("tqmon_source_up", source=src): "1x240" for src in (*LIVE_SOURCES, PUSH_SOURCE)},
         **{s("tqmon_source_last_success_timestamp_seconds", source=src): "0+60x240" for src in LIVE_SOURCES},
@@ -285,6 +289,31 @@ CASES = [
         "The trainer watched by trainer-0:9842 still reports but has been stuck at global step 56 for more than"
         " 30m: rollouts are not completing.",
     ),
+    Case(
+        "TQMonResumeSourcesDisagree",
+        {s("tqmon_resume_source_disagreements", quantity="restored"): "0x2 1x238"},
+        "2m",
+        "5m",
+        "130m",
+        "warning",
+        "tqmon's sources contradict each other about the last resume.",
+        "trainer-0:9842 heard restored of the last start differently from its sources (1 disagreement(s)), beyond"
+        " a poll during mutation: one of them is wrong (a trainer bug, another checkpoint than tqmon thinks, or a"
+        " config tqmon was not told).",
+        {**TARGET_LABELS, "quantity": "restored"},
+    ),
+    Case(
+        "TQMonResumeLostWindow",
+        stateset("tqmon_resume_warmup_state", "lost_window"),
+        "0m",
+        "5m",
+        "130m",
+        "warning",
+        "The last resume lost its TransferQueue window.",
+        "trainer-0:9842 resumed from a checkpoint without transfer_queue/: the saved prefetch window"
+        " (tqmon_resume_lost_prompt_groups) was not restored and the warmup regenerated it from scratch.",
+        {**TARGET_LABELS, "state": "lost_window"},
+    ),
 ]
 
 
@@ -444,7 +473,8 @@ def test_tqmon_rules_command_takes_every_parameter_as_a_flag_or_variable(tmp_pat
     assert headline["for"] == "20m"
     assert '{job="grpo-7b"}' in headline["expr"] and "< 0.75" in headline["expr"]
     assert 'job="tqmon"' not in out.read_text()
-    assert "SUCCESS: 19 rules found" in check_rules(out)
+    recording = len(rules.recording_rules(rules.RuleConfig()))
+    assert f"SUCCESS: {recording + len(alert_names())} rules found" in check_rules(out)
 
 
 @pytest.mark.parametrize(

@@ -9,6 +9,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
+from tqmon.judge import QUANTITIES
 from tqmon.snapshot import SourceName
 from tqmon.warmup import DOOM_REASONS, PARTITIONS, PROMPT_STATUSES, WarmupState
 
@@ -209,6 +210,30 @@ CATALOG: tuple[MetricSpec, ...] = (
         "What the warmup did at the last start.",
         "",
         (Label("state", tuple(WarmupState), "Warmup decision."),),
+    ),
+    MetricSpec(
+        "tqmon_resume_source_disagreements",
+        MetricType.GAUGE,
+        "Sources that contradict each other about a quantity of the last start, beyond legitimate differences"
+        " (0: they agree or only one reported it); /api/v1/status names each source, its value and when.",
+        "",
+        (
+            Label(
+                "quantity",
+                QUANTITIES,
+                "R (`restored`, `restored_<status>`), K (`reissued`), T (`target`), M (`submitted`), the first"
+                " live window after warmup against R + M (`window_after_warmup`), the loaded checkpoint's"
+                " composition against the first live window (`checkpoint_window`).",
+            ),
+        ),
+    ),
+    MetricSpec(
+        "tqmon_resume_lost_prompt_groups",
+        MetricType.GAUGE,
+        "Prompt groups the last start lost because its checkpoint held no transfer_queue/ (warmup state"
+        " lost_window): the last live window seen before the restart, or the previous checkpoint's composition;"
+        " absent when unknown or nothing was lost.",
+        "prompt_groups",
     ),
     # Checkpoint directory prediction.
     MetricSpec(

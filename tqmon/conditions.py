@@ -173,6 +173,26 @@ def _source_stale(snapshot: Snapshot, now: float, config: RuleConfig) -> Check:
     return bool(stale), detail
 
 
+def _disagree(snapshot: Snapshot, now: float, config: RuleConfig) -> Check:
+    record = _recent(snapshot, now, config)
+    if record is None:
+        return False, _no_recent_start(snapshot)
+    if not record.disagreements:
+        return False, "the sources agree"
+    return True, "; ".join(d.describe() for d in record.disagreements)
+
+
+def _lost_window(snapshot: Snapshot, now: float, config: RuleConfig) -> Check:
+    record = _recent(snapshot, now, config)
+    if record is None:
+        return False, _no_recent_start(snapshot)
+    lost = "unknown" if record.lost_prompt_groups is None else record.lost_prompt_groups
+    detail = f"warmup state {record.warmup_state}"
+    if record.warmup_state is WarmupState.LOST_WINDOW:
+        detail += f", {lost} prompt groups lost"
+    return record.warmup_state is WarmupState.LOST_WINDOW, detail
+
+
 EVALUATORS: dict[str, Evaluator] = {
     "TQMonWindowUnderFilledAfterResume": _under_filled,
     "TQMonWarmupUnderSubmitted": _under_submitted,
@@ -184,6 +204,8 @@ EVALUATORS: dict[str, Evaluator] = {
     "TQMonOrphanTrajectoriesPilingUp": _orphans,
     "TQMonSourceDown": _source_down,
     "TQMonSourceStale": _source_stale,
+    "TQMonResumeSourcesDisagree": _disagree,
+    "TQMonResumeLostWindow": _lost_window,
 }
 
 

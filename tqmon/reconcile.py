@@ -29,7 +29,18 @@ from tqmon.events import (
     restored_groups,
     status_counts,
 )
-from tqmon.snapshot import CheckpointView, Evidence, ResumeRecord, RunInfo, SourceName, WindowView
+from tqmon.judge import (
+    CHECKPOINT_WINDOW,
+    CONFIG_SOURCE,
+    WINDOW_AFTER_WARMUP,
+    Bounds,
+    complete_doomed,
+    has_tq_dir,
+    is_lost_window,
+    judge,
+    window_bounds,
+)
+from tqmon.snapshot import CheckpointView, Claim, Disagreement, Evidence, ResumeRecord, RunInfo, SourceName, WindowView
 from tqmon.warmup import (
     DOOM_REASONS,
     PROMPT_STATUSES,
@@ -82,6 +93,31 @@ class Observed:
     first_step_evictions: dict[str, int] | None = None
     first_step_wait: float | None = None
     evidence: list[Evidence] = field(default_factory=list)
+    claims: dict[str, list[Claim]] = field(default_factory=dict)  # quantity -> what each source said, in order
+    restored_at: float | None = None  # when a source first said TQ state was loaded (verl logs it even for R = 0)
+    decided_at: float | None = None  # when the warmup decision was first reported
+    window_before: Claim | None = None  # the train window's total last seen before this start opened
+    first_window: Claim | None = None  # the first train window seen after it opened
+    window_after_decision: Claim | None = None  # the first one seen after the warmup decision
+
+    def claim(self, quantity: str, source: str, value: int, at: float, event_id: str) -> None:
+        self.claims.setdefault(quantity, []).append(Claim(source, value, at, event_id))
+
+    def saw_window(self, window: Claim) -> bool:
+        """Keep the windows the judge compares; True when this one is kept.
+
+        Only windows seen once the trainer reported its restore (or its decision) count: before that a new
+        controller is still being loaded and a poll sees it half-filled.
+        """
+        reported = [t for t in (self.restored_at, self.decided_at) if t is not None]
+        if not reported or window.at < min(reported):
+            return False
+        kept = self.first_window is None
+        if kept:
+            self.first_window = window
+        if self.window_after_decision is None and self.decided_at is not None and window.at >= self.decided_at:
+            self.window_after_decision, kept = window, True
+        return kept
 
     @property
     def decided(self) -> bool:
@@ -102,10 +138,14 @@ def derive_record(
     config: WarmupConfig | None,
     previous_restored: int | None,
     verl_version: str = "",
+    loaded: Composition | None = None,
+    previous: Composition | None = None,
 ) -> ResumeRecord:
     """Compute T, M expected, O, doomed, the deficit and the warmup state from what was observed.
 
     ``verl_version`` (from ``run_started``) names the semantics when no log line or count betrays them.
+    ``loaded`` is the composition of the checkpoint this start loaded, ``previous`` the newest one before it
+    that held TQ state: the sources :mod:`tqmon.judge` checks the others against.
     """
     restored = obs.restored
     if restored is None and config is not None and not restores_tq(config):
@@ -134,6 +174,16 @@ def derive_record(
     state = warmup_state(obs, restored, target, submitted, predicted.state if predicted else None, previous_restored)
     if state is WarmupState.LEGACY_UNCONDITIONAL:
         semantics = "verl-0.9.0"
+    window_lost = is_lost_window(
+        keeps_window=obs.resumed and restores_tq(config) and (config is None or not config.skip_rollout_tq),
+        legacy=semantics == "verl-0.9.0",
+        restore_reported=obs.restored_at is not None,
+        decided=obs.submitted is not None or obs.skip_reason is not None,
+        restored=obs.restored,
+    )
+    evidence = [*obs.evidence, *_lost_evidence(obs, loaded, previous)] if window_lost else obs.evidence
+    if window_lost:
+        state = WarmupState.LOST_WINDOW
 
     doomed = _doomed(obs, config, restored)
     under = None
@@ -174,8 +224,98 @@ def derive_record(
         semantics=semantics,
         first_step_evictions=obs.first_step_evictions,
         first_step_generation_wait_seconds=obs.first_step_wait,
-        evidence=tuple(obs.evidence),
+        evidence=tuple(evidence),
+        disagreements=_disagreements(obs, config, loaded, restored, submitted, semantics, doomed),
+        lost_prompt_groups=_lost_groups(obs, previous) if window_lost else None,
     )
+
+
+def _config_claims(obs: Observed, config: WarmupConfig | None, restored: int | None) -> dict[str, list[Claim]]:
+    """T and M as the config tqmon was given predicts them, where the trainer reported them too."""
+    if config is None or not restores_tq(config):
+        return {}
+    claims: dict[str, list[Claim]] = {}
+    decision = decide_warmup(config, restored, resumed=obs.resumed) if restored is not None else None
+    predictions = {"target": window_target(config), "submitted": decision.submitted if decision else None}
+    for quantity, value in predictions.items():
+        if value is not None and obs.claims.get(quantity):
+            claims[quantity] = [Claim(CONFIG_SOURCE, value, obs.claims[quantity][0].at)]
+    if decision is not None and not decision.logged:
+        claims.pop("submitted", None)  # verl logs no decision then: whatever a source says is not verl's
+    return claims
+
+
+def _composition_claims(loaded: Composition) -> dict[str, list[Claim]]:
+    """R and its split as the loaded checkpoint holds them."""
+    event, source, at = loaded
+    statuses = event.status_counts() or {}
+    claims = {
+        f"restored_{status}": [Claim(source, statuses.get(status, 0), at, event.id)] for status in PROMPT_STATUSES
+    }
+    return claims | {"restored": [Claim(source, sum(statuses.values()), at, event.id)]}
+
+
+def _disagreements(
+    obs: Observed,
+    config: WarmupConfig | None,
+    loaded: Composition | None,
+    restored: int | None,
+    submitted: int | None,
+    semantics: str,
+    doomed: Mapping[str, int] | None,
+) -> tuple[Disagreement, ...]:
+    """Where the sources of this start contradict each other (see :mod:`tqmon.judge`)."""
+    claims = {quantity: list(said) for quantity, said in obs.claims.items()}
+    if semantics != "verl-0.9.0":  # 0.9.0 warms up whole batches whatever the config says of M
+        for quantity, said in _config_claims(obs, config, restored).items():
+            claims.setdefault(quantity, []).extend(said)
+    if loaded is not None and obs.resumed and restores_tq(config):
+        for quantity, said in _composition_claims(loaded).items():
+            if obs.claims.get(quantity):  # R's split is compared only with a source that split it too
+                claims[quantity].extend(said)
+    batch = config.train_batch_size if config is not None else None  # what prepare_step adds before sampling
+    windows: dict[str, tuple[Claim, Claim | None, Bounds]] = {}
+    loaded_doomed = checkpoint_doomed(loaded[0], config) if loaded is not None else None
+    if restored is not None and submitted is not None and obs.decided_at is not None:
+        source = obs.claims["submitted"][0].source if obs.claims.get("submitted") else CONFIG_SOURCE
+        reported = Claim(f"{source} R + M", restored + submitted, obs.decided_at)
+        bounds = window_bounds(reported.value, complete_doomed(doomed, loaded_doomed), restored, batch)
+        windows[WINDOW_AFTER_WARMUP] = (reported, obs.window_after_decision, bounds)
+    if loaded is not None and obs.resumed and restores_tq(config):
+        event, source, at = loaded
+        total = sum((event.status_counts() or {}).values())
+        added = None if batch is None or submitted is None else batch + submitted
+        bounds = window_bounds(total, complete_doomed(loaded_doomed), total, added)
+        windows[CHECKPOINT_WINDOW] = (Claim(source, total, at, event.id), obs.first_window, bounds)
+    return judge(claims, windows)
+
+
+def _lost_groups(obs: Observed, previous: Composition | None) -> int | None:
+    """The groups a lost window held: the last live window seen before the restart, else the newest
+    checkpoint composition before the one loaded; None when neither is known."""
+    if obs.window_before is not None:
+        return obs.window_before.value
+    if previous is not None:
+        return sum((previous[0].status_counts() or {}).values())
+    return None
+
+
+def _lost_evidence(obs: Observed, loaded: Composition | None, previous: Composition | None) -> list[Evidence]:
+    """What confirms a lost window beyond the log, and what says how much was lost."""
+    found = []
+    if loaded is not None and has_tq_dir(loaded[0].path) is False:
+        event, source, at = loaded
+        found.append(Evidence(source, event.type, event.id, at, f"global_step_{event.step} has no transfer_queue/"))
+    if obs.window_before is not None:
+        w = obs.window_before
+        found.append(
+            Evidence(w.source, "window_observed", w.event_id, w.at, f"last window before the restart: {w.value}")
+        )
+    elif previous is not None:
+        event, source, at = previous
+        total = sum((event.status_counts() or {}).values())
+        found.append(Evidence(source, event.type, event.id, at, f"global_step_{event.step} held {total} groups"))
+    return found
 
 
 def warmup_state(
@@ -320,6 +460,7 @@ class Reconciler:
         self._restart_hint: Evidence | None = None  # a restart sign no start has claimed yet
         self._step_seconds: deque[float] = deque(maxlen=STEP_RATE_WINDOW)
         self._compositions: dict[int, Composition] = {}  # step -> a checkpoint's composition
+        self._last_train_window: Claim | None = None  # never dropped: a lost window's size after a restart
         if given is not None:  # run_started overrides it
             self._set_run(RunInfo("", given.trainer_mode, "", given.config.model_dump(), given.origin), given.config)
 
@@ -333,10 +474,18 @@ class Reconciler:
         last = self.records[-1] if self.records else None
         return last.target if last is not None and last.target is not None else window_target(self.warmup_config)
 
-    def observe_windows(self, windows: Iterable[WindowView]) -> None:
-        """Live windows from a poller, each superseding its partition's last view."""
+    def observe_windows(self, windows: Iterable[WindowView], event_id: str = "") -> None:
+        """Live windows from a poller (or a log line), each superseding its partition's last view; the open
+        start keeps the train windows the judge compares with what was reported."""
         for window in windows:
             self.windows[window.partition] = window
+            if window.partition != "train":
+                continue
+            seen = Claim(window.source, window.total, window.observed_at, event_id)
+            self._last_train_window = seen
+            obs = self._observed
+            if obs is not None and not obs.sealed and obs.saw_window(seen):
+                self._rederive()
 
     def drop_windows(self, source: str) -> None:
         """Forget a source's windows: a lost controller's last reply must not be served as fresh."""
@@ -390,12 +539,17 @@ class Reconciler:
                 evidence_of.restored = restored
                 evidence_of.by_status = event.status_counts() or evidence_of.by_status
                 evidence_of.groups = event.groups or evidence_of.groups
+                evidence_of.restored_at = at if evidence_of.restored_at is None else min(evidence_of.restored_at, at)
+                evidence_of.claim("restored", source, restored, at, event.id)
+                for status, count in (event.status_counts() or {}).items():
+                    evidence_of.claim(f"restored_{status}", source, count, at, event.id)
             case InflightReissued():
                 step = None if event.step is None else max(0, event.step - 1)
                 evidence_of = self._attach(
                     step, True, at, lambda o: o.reissued is None or corroborates(o, source, event.type)
                 )
                 evidence_of.reissued, evidence_of.cleared = event.reissued_prompt_groups, event.cleared_trajectories
+                evidence_of.claim("reissued", source, event.reissued_prompt_groups, at, event.id)
             case WarmupDecided():
                 evidence_of = self._attach(
                     None,
@@ -404,6 +558,7 @@ class Reconciler:
                     lambda o: not o.decided or corroborates(o, source, event.type),
                 )
                 _take_decision(evidence_of, event)
+                _claim_decision(evidence_of, event, source, at)
             case StepCompleted():
                 self.trainer_step = event.global_step
                 if event.step_seconds is not None:
@@ -417,7 +572,7 @@ class Reconciler:
             case CheckpointSaved():
                 self._saved(event, source, at)
             case WindowObserved():
-                self.windows[event.partition] = WindowView(event.partition, source, at, _str_keys(event.by_status))
+                self.observe_windows([WindowView(event.partition, source, at, _str_keys(event.by_status))], event.id)
         if evidence_of is not None:
             evidence_of.evidence.append(Evidence(source, event.type, event.id, at, _describe(event)))
             self._rederive()
@@ -463,6 +618,7 @@ class Reconciler:
             started_at=at,
             run_id=self.run.run_id if self.run else "",
             checkpoint_step=checkpoint_step,
+            window_before=self._last_train_window if resumed else None,
         )
         claim = self._restart_hint
         if claim is not None and abs(at - claim.at) <= RESTART_CLAIM_SECONDS:
@@ -489,7 +645,13 @@ class Reconciler:
         previous = self.records[obs.index - 1].restored if obs.index > 0 else None
         saved = self._compositions.get(obs.checkpoint_step) if obs.checkpoint_step is not None else None
         completed = with_checkpoint(obs, saved, self.warmup_config)
-        return derive_record(completed, self.warmup_config, previous, self.run.verl_version if self.run else "")
+        version = self.run.verl_version if self.run else ""
+        return derive_record(completed, self.warmup_config, previous, version, saved, self._before(obs.checkpoint_step))
+
+    def _before(self, step: int | None) -> Composition | None:
+        """The newest composition with TQ state saved before ``step``: what a lost window held at best."""
+        steps = [s for s, c in self._compositions.items() if step is not None and s < step and has_tq_dir(c[0].path)]
+        return self._compositions[max(steps)] if steps else None
 
     def _rederive(self) -> None:
         if self._observed is not None:
@@ -508,6 +670,20 @@ def _take_decision(obs: Observed, event: WarmupDecided) -> None:
         obs.skip_reason = event.skip_reason
     if event.legacy_warmup_batches is not None:
         obs.legacy_batches = event.legacy_warmup_batches
+
+
+def _claim_decision(obs: Observed, event: WarmupDecided, source: str, at: float) -> None:
+    """T, M and R as this source reported the warmup decision."""
+    if obs.decided_at is None and (event.submitted_prompt_groups is not None or event.skip_reason is not None):
+        obs.decided_at = at
+    reported = {
+        "target": event.target_prompt_groups,
+        "submitted": event.submitted_prompt_groups,
+        "restored": event.restored_prompt_groups,
+    }
+    for quantity, value in reported.items():
+        if value is not None:
+            obs.claim(quantity, source, value, at, event.id)
 
 
 def _str_keys(counts: Mapping[Any, int]) -> dict[str, int]:

@@ -12,6 +12,11 @@ from tqmon.warmup import WarmupState
 def verdict(record: ResumeRecord) -> str:
     """One line an operator can act on."""
     problems = []
+    if record.warmup_state is WarmupState.LOST_WINDOW:
+        lost = "unknown" if record.lost_prompt_groups is None else str(record.lost_prompt_groups)
+        problems.append(f"LOST WINDOW: resumed without transfer_queue/ ({lost} prompt groups lost, all re-generated)")
+    if record.disagreements:
+        problems.append("sources disagree: " + "; ".join(d.describe() for d in record.disagreements))
     if record.warmup_state is WarmupState.LEGACY_UNCONDITIONAL:
         problems.append("legacy verl 0.9.0 warmup stacked a full window on the restore")
     if record.submitted is not None and record.expected is not None and record.submitted != record.expected:

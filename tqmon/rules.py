@@ -263,6 +263,25 @@ def alerts(config: RuleConfig) -> list[Alert]:
             "The trainer watched by {{ $labels.instance }} still reports but has been stuck at global step"
             f" {{{{ $value }}}} for more than {config.stall_for}: rollouts are not completing.",
         ),
+        Alert(
+            "TQMonResumeSourcesDisagree",
+            f"{m('tqmon_resume_source_disagreements')} > 0\nand ignoring (quantity) {recent}",
+            config.decision_for,
+            "warning",
+            "tqmon's sources contradict each other about the last resume.",
+            "{{ $labels.instance }} heard {{ $labels.quantity }} of the last start differently from its sources"
+            " ({{ $value }} disagreement(s)), beyond a poll during mutation: one of them is wrong (a trainer bug,"
+            " another checkpoint than tqmon thinks, or a config tqmon was not told).",
+        ),
+        Alert(
+            "TQMonResumeLostWindow",
+            f"{m('tqmon_resume_warmup_state', 'state=' + _q('lost_window'))} == 1\nand ignoring (state) {recent}",
+            config.decision_for,
+            "warning",
+            "The last resume lost its TransferQueue window.",
+            "{{ $labels.instance }} resumed from a checkpoint without transfer_queue/: the saved prefetch window"
+            " (tqmon_resume_lost_prompt_groups) was not restored and the warmup regenerated it from scratch.",
+        ),
     ]
 
 

@@ -41,6 +41,29 @@ class Evidence:
 
 
 @dataclass(frozen=True, slots=True)
+class Claim:
+    """One source's value for a quantity of a start: the evidence behind a disagreement."""
+
+    source: str
+    value: int
+    at: float
+    event_id: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class Disagreement:
+    """Sources that reported one quantity of a start differently, beyond any legitimate difference."""
+
+    quantity: str
+    claims: tuple[Claim, ...]
+    tolerance: str  # what was allowed: "exact" or the range the live window may legitimately take
+
+    def describe(self) -> str:
+        said = "; ".join(f"{c.source} said {c.value}" for c in self.claims)
+        return f"{self.quantity}: {said} ({self.tolerance})"
+
+
+@dataclass(frozen=True, slots=True)
 class ResumeRecord:
     """One trainer start (a resume from global_step_N, or a fresh start) and what its warmup did."""
 
@@ -64,6 +87,8 @@ class ResumeRecord:
     first_step_evictions: Mapping[str, int] | None = None
     first_step_generation_wait_seconds: float | None = None
     evidence: tuple[Evidence, ...] = ()
+    disagreements: tuple[Disagreement, ...] = ()  # sources that contradict each other about this start
+    lost_prompt_groups: int | None = None  # a lost window's groups, when known (warmup state lost_window)
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)

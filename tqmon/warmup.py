@@ -39,6 +39,7 @@ class WarmupState(enum.StrEnum):
     DISABLED = "disabled"
     SYNC_MODE = "sync_mode"
     LEGACY_UNCONDITIONAL = "legacy_unconditional"
+    LOST_WINDOW = "lost_window"  # resumed (async) from a checkpoint without transfer_queue/: the window was refilled
     UNKNOWN = "unknown"
 
 

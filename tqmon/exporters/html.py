@@ -15,7 +15,7 @@ from datetime import UTC, datetime
 from tqmon.conditions import Condition, ConditionState, evaluate
 from tqmon.report import verdict
 from tqmon.snapshot import CheckpointView, Evidence, ResumeRecord, Snapshot, SourceHealth, Tally, WindowView
-from tqmon.warmup import DOOM_REASONS, PROMPT_STATUSES
+from tqmon.warmup import DOOM_REASONS, PROMPT_STATUSES, WarmupState
 
 REFRESH_SECONDS = 5
 RECENT_STARTS = 10  # starts shown in the table, newest last
@@ -260,6 +260,18 @@ def _story(record: ResumeRecord) -> str:
         missing = unknown_reasons(record.doomed)
         bound = f" — a lower bound: doomed {', '.join(missing)} not known, counted as 0" if missing else " — exact"
         lines.append(f"Deficit max(0, T − (R − doomed + M)) = {_e(record.under_submitted)}{_e(bound)}.")
+    if record.warmup_state is WarmupState.LOST_WINDOW:
+        lost = "an unknown number of" if record.lost_prompt_groups is None else _e(record.lost_prompt_groups)
+        lines.append(
+            f"<b class='flag'>Its checkpoint held no transfer_queue/</b>: the saved window was lost ({lost} prompt"
+            " groups) and the warmup re-generated it."
+        )
+    for disagreement in record.disagreements:
+        said = ", ".join(f"{_e(c.source)} said {_e(c.value)} ({_utc(c.at)})" for c in disagreement.claims)
+        lines.append(
+            f"<b class='flag' data-k='disagreement'>Sources disagree on {_e(disagreement.quantity)}</b>: {said};"
+            f" {_e(disagreement.tolerance)}."
+        )
     if record.first_step_evictions is not None:
         evicted = " · ".join(f"{_e(r)} {_e(n)}" for r, n in record.first_step_evictions.items())
         wait = record.first_step_generation_wait_seconds

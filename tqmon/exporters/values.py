@@ -5,11 +5,13 @@ Known-empty values are exported as 0; values no source has established are omitt
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 
 from tqmon.catalog import BY_NAME, MetricSpec
-from tqmon.snapshot import Snapshot, SourceName, Tally
+from tqmon.judge import QUANTITIES
+from tqmon.snapshot import ResumeRecord, Snapshot, SourceName, Tally
 from tqmon.warmup import PROMPT_STATUSES
 
 Labels = tuple[str, ...]
@@ -49,6 +51,12 @@ def _stateset(spec: MetricSpec, current: str) -> list[Series]:
 
 def _opt(value: float | None) -> list[Series]:
     return [] if value is None else [Series((), value)]
+
+
+def _disagreements(record: ResumeRecord) -> list[Series]:
+    """Every quantity, 0 where the sources agree: an alert must see the count fall back, not vanish."""
+    found = Counter(d.quantity for d in record.disagreements)
+    return [Series((quantity,), found[quantity]) for quantity in QUANTITIES]
 
 
 def _counter(spec: MetricSpec, snapshot: Snapshot, sources: tuple[str, ...]) -> list[Series]:
@@ -119,6 +127,8 @@ def metric_values(snapshot: Snapshot, now: float) -> Iterator[tuple[MetricSpec, 
             ],
             "tqmon_resume_first_step_generation_wait_seconds": _opt(record.first_step_generation_wait_seconds),
             "tqmon_resume_warmup_state": _stateset(BY_NAME["tqmon_resume_warmup_state"], record.warmup_state),
+            "tqmon_resume_source_disagreements": _disagreements(record),
+            "tqmon_resume_lost_prompt_groups": _opt(record.lost_prompt_groups),
         }
     if checkpoint is not None:
         values |= {

@@ -1,0 +1,198 @@
+"""The judge through the reconciler: sources that contradict each other about a start, and lost windows.
+
+Config: train_batch_size 4, num_warmup_batches 3 (T = 12) unless a test says otherwise. The loaded
+checkpoint global_step_40 holds 2 pending, 1 running, 5 finished (steps 38-40: none stale at 41) and no
+failure: R = 8, nothing doomed, so a healthy resume's warmup submits 4 and its first window holds 12 groups,
+plus the batch of 4 the first step adds before it samples.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from tqmon.events import CheckpointSaved, GroupCount, parse_event
+from tqmon.judge import Bounds, exact, has_tq_dir, window_bounds
+from tqmon.reconcile import Reconciler
+from tqmon.snapshot import Claim, ResumeRecord, WindowView
+from tqmon.warmup import GivenConfig, TrainerConfig, WarmupState
+
+T12 = {"train_batch_size": 4, "num_warmup_batches": 3}
+LOADED = [
+    GroupCount(status="pending", global_steps=40, count=2),
+    GroupCount(status="running", global_steps=40, count=1),
+    GroupCount(status="finished", global_steps=39, count=5),
+]
+SPLIT = {"pending": 2, "running": 1, "finished": 5, "failure": 0}
+
+
+def ev(kind: str, **fields: Any) -> dict[str, Any]:
+    return {"type": kind, **fields}
+
+
+def window(pending: int, running: int = 0, finished: int = 0, failure: int = 0) -> dict[str, Any]:
+    return ev(
+        "window_observed", by_status={"pending": pending, "running": running, "finished": finished, "failure": failure}
+    )
+
+
+def checkpoint(step: int = 40, groups: list[GroupCount] | None = None, tq: bool = True) -> CheckpointSaved:
+    path = f"/ckpt/global_step_{step}" + ("/transfer_queue" if tq else "")
+    return CheckpointSaved(id=f"checkpoint:{step}", step=step, path=path, groups=LOADED if groups is None else groups)
+
+
+def healthy_log(restored: int = 8, submitted: int = 4, target: int = 12) -> list[dict[str, Any]]:
+    return [
+        ev("training_started", resumed_from_step=40),
+        ev("checkpoint_restored", restored_prompt_groups=restored),
+        ev("inflight_reissued", step=41, reissued_prompt_groups=3, cleared_trajectories=3),
+        ev(
+            "warmup_decided",
+            target_prompt_groups=target,
+            restored_prompt_groups=restored,
+            submitted_prompt_groups=submitted,
+        ),
+    ]
+
+
+def fold(
+    *steps: tuple[str, dict[str, Any] | CheckpointSaved],
+    config: dict[str, Any] | None = None,
+    verl_version: str = "",
+) -> Reconciler:
+    """Apply (source, event) pairs one second apart; the config is given as flags."""
+    given = GivenConfig("colocate_async", TrainerConfig(**(config or T12)), "flags")
+    state = Reconciler(given)
+    if verl_version:
+        run = ev("run_started", run_id="r", trainer_mode="colocate_async", verl_version=verl_version, config=T12)
+        state.apply(parse_event({"id": "run", **run}), "events", 900.0)
+    for index, (source, raw) in enumerate(steps):
+        event = raw if isinstance(raw, CheckpointSaved) else parse_event({"id": f"{source}{index}", **raw})
+        state.apply(event, source, 1000.0 + index)
+    return state
+
+
+def log(*events: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
+    return [("log", e) for e in events]
+
+
+def said(record: ResumeRecord) -> dict[str, dict[str, int]]:
+    """Each disagreement as quantity -> source -> value."""
+    return {d.quantity: {c.source: c.value for c in d.claims} for d in record.disagreements}
+
+
+def test_a_healthy_resume_raises_no_disagreement() -> None:
+    state = fold(("checkpoint", checkpoint()), *log(*healthy_log(), window(12, 0, 0), window(9, 3, 4)))
+    [record] = state.records
+    assert record.restored_by_status == SPLIT
+    assert record.warmup_state is WarmupState.TOPPED_UP
+    assert record.disagreements == ()
+
+
+def test_a_miscounted_restore_contradicts_the_checkpoint_and_the_live_window() -> None:
+    """The miscounted-restore bug: the trainer logs 30 for a checkpoint of 8 and, T being 20, submits nothing;
+    the live window then holds 8 + the first step's batch of 4."""
+    t20 = T12 | {"num_warmup_batches": 5}
+    events = healthy_log(restored=30, submitted=0, target=20)
+    state = fold(("checkpoint", checkpoint()), *log(*events, window(4, 3, 5)), config=t20)
+    [record] = state.records
+    assert record.restored == 30  # the log's R stands: nothing is silently replaced
+    assert said(record) == {
+        "restored": {"log": 30, "checkpoint": 8},
+        "window_after_warmup": {"log R + M": 30, "log": 12},
+    }
+    window_check = record.disagreements[-1]
+    assert window_check.tolerance == "allowed 30..34"  # R + M, up to one batch more; nothing doomed
+    assert window_check.claims[1].at == 1005.0  # when the window was seen
+
+
+def test_every_pair_of_sources_is_compared() -> None:
+    """The plugin's K and split against the log and the checkpoint; T and M against the config."""
+    plugin = ev("checkpoint_restored", restored_prompt_groups=8, by_status=SPLIT | {"running": 0, "finished": 6})
+    state = fold(
+        ("checkpoint", checkpoint()),
+        *log(*healthy_log(target=16, submitted=8)),
+        ("events", plugin),
+        ("events", ev("inflight_reissued", step=41, reissued_prompt_groups=2)),
+    )
+    [record] = state.records
+    assert said(record) == {
+        "restored_running": {"events": 0, "checkpoint": 1},
+        "restored_finished": {"events": 6, "checkpoint": 5},
+        "reissued": {"log": 3, "events": 2},
+        "target": {"log": 16, "config": 12},
+        "submitted": {"log": 8, "config": 4},
+    }
+
+
+def test_legitimate_differences_are_tolerated() -> None:
+    """A newer checkpoint than the one loaded, polls while the trainer restores or samples, and a window
+    that already holds the first step's batch: none is a contradiction."""
+    newer = checkpoint(42, [GroupCount(status="finished", global_steps=42, count=3)])
+    state = fold(
+        ("checkpoint", checkpoint()),
+        ("checkpoint", newer),
+        *log(ev("training_started", resumed_from_step=40)),
+        ("tq", window(0)),  # the new controller is still empty: the restore is not reported yet
+        *log(*healthy_log()[1:]),
+        ("tq", window(16)),  # R + M + the first step's batch
+    )
+    [record] = state.records
+    assert record.disagreements == ()
+    assert record.restored_by_status == SPLIT
+
+
+def test_a_live_window_outside_the_checkpoint_composition_is_a_disagreement() -> None:
+    state = fold(("checkpoint", checkpoint()), *log(*healthy_log()[:2]), ("tq", window(3)))
+    [record] = state.records
+    assert said(record) == {"checkpoint_window": {"checkpoint": 8, "tq": 3}}
+
+
+def test_the_poller_feeds_the_open_start_through_observe_windows() -> None:
+    state = fold(("checkpoint", checkpoint()), *log(*healthy_log()))
+    state.observe_windows([WindowView("train", "tq", 1010.0, {"pending": 20})])
+    [record] = state.records
+    assert said(record) == {
+        "window_after_warmup": {"log R + M": 12, "tq": 20},
+        "checkpoint_window": {"checkpoint": 8, "tq": 20},
+    }
+
+
+def test_a_lost_window_is_confirmed_by_the_checkpoint_dir_and_sized_by_the_previous_composition() -> None:
+    before = checkpoint(30, [GroupCount(status="finished", global_steps=30, count=11)])
+    state = fold(
+        ("checkpoint", before),
+        ("checkpoint", checkpoint(40, [], tq=False)),
+        *log(
+            ev("training_started", resumed_from_step=40),
+            ev("warmup_decided", target_prompt_groups=12, restored_prompt_groups=0, submitted_prompt_groups=12),
+        ),
+    )
+    [record] = state.records
+    assert record.warmup_state is WarmupState.LOST_WINDOW
+    assert record.lost_prompt_groups == 11
+    details = [e.detail for e in record.evidence if e.source == "checkpoint"]
+    assert "global_step_40 has no transfer_queue/" in details
+    assert "global_step_30 held 11 groups" in details
+    assert record.disagreements == ()  # R 0 everywhere: the sources agree, the window is just gone
+
+
+def test_a_restore_line_or_verl_090_is_not_a_lost_window() -> None:
+    decided = ev("warmup_decided", target_prompt_groups=12, restored_prompt_groups=0, submitted_prompt_groups=12)
+    start = ev("training_started", resumed_from_step=40)
+    restored_nothing = fold(*log(start, ev("checkpoint_restored", restored_prompt_groups=0), decided))
+    assert restored_nothing.records[0].warmup_state is WarmupState.TOPPED_UP
+    legacy = fold(*log(start, decided), verl_version="0.9.0")
+    assert legacy.records[0].warmup_state is not WarmupState.LOST_WINDOW
+    unknown = fold(*log(start, decided, window(20)))  # the window seen after the restart is not what was lost
+    assert (unknown.records[0].warmup_state, unknown.records[0].lost_prompt_groups) == (WarmupState.LOST_WINDOW, None)
+
+
+def test_the_pure_pieces() -> None:
+    assert exact("k", [Claim("log", 3, 1.0), Claim("log", 4, 2.0), Claim("events", 3, 3.0)]) is None
+    assert window_bounds(12, None, 8, 4) == Bounds(4, 16)  # all restored groups may already be evicted
+    assert window_bounds(12, 2, 8, None) == Bounds(10, None)
+    assert (has_tq_dir("/c/global_step_4/transfer_queue.old"), has_tq_dir("/c/global_step_4/"), has_tq_dir(None)) == (
+        True,
+        False,
+        None,
+    )
