@@ -5,11 +5,13 @@ durations shortened (``CONFIG``) so that a ``for:`` elapses within the test.
 
 - miscounted-restore (numbers in tests/test_sim.py): after the resume the live window holds 8 prompt groups
   (12 between a step's submission and its sample) of T = 20 while the trainer steps, so the headline alert
-  fires within its ``for:`` plus the detection slack, with the live numbers in its annotations. While it
-  fires every dashboard query returns data (none needs an exemption: the ALERTS queries have data because
-  the alert fires, and every other series exists once tqmon watches the log, the checkpoints and the live
-  TQ). The test then tops the window up by the 12 missing prompt keys (what a correct warmup would have
-  submitted) and the alert resolves while the trainer still steps.
+  fires within its ``for:`` plus the detection slack, with the live numbers in its annotations. Before it,
+  TQMonResumeSourcesDisagree fires for R (the log's 30 against the checkpoint's 8) and for the live window
+  (8 or 12 against R + M = 30). While they fire every dashboard query returns data (the ALERTS queries have
+  data because the alerts fire, and every other series exists once tqmon watches the log, the checkpoints
+  and the live TQ), except the "Lost windows" annotation, which marks lost_window starts only. The test
+  then tops the window up by the 12 missing prompt keys (what a correct warmup would have submitted) and
+  the headline alert resolves while the trainer still steps.
 - healthy-resume: the window holds 8 or 12 of T = 8 and nothing fires over longer than the shortened
   ``for:``. The headline alert must not even become pending (its expression never holds on a correct
   resume); other alerts may be pending but never fire: TQMonWindowOverTarget's expression holds whenever a
@@ -41,6 +43,7 @@ from tests.test_e2e import Prometheus, eventually
 from tests.test_rules import check_rules
 from tests.test_sim import cluster, serve_args  # noqa: F401  (cluster: the module's one Ray, a fixture)
 from tqmon import rules
+from tqmon.catalog import BY_NAME
 from tqmon.sim.rollout import PARTITION
 from tqmon.sim.scenarios import SCENARIOS
 
@@ -49,6 +52,7 @@ pytestmark = pytest.mark.e2e
 UNDER_FILLED_FOR = 15  # seconds
 CONFIG = rules.RuleConfig(under_filled_for=f"{UNDER_FILLED_FOR}s", progress_window="30s", decision_for="5s")
 HEADLINE = "TQMonWindowUnderFilledAfterResume"
+DISAGREE = "TQMonResumeSourcesDisagree"
 # From the resume to firing, beyond the for: the trainer step must change once (its next checkpoint, two
 # steps on) before "progressing" holds, then a TQ poll (<= 1 s), a scrape (1 s) and an evaluation (1 s).
 FIRING_SLACK = 10.0
@@ -239,14 +243,20 @@ def test_under_filled_window_fires_every_panel_has_data_and_recovery_resolves(
             "dashboard_url": f"{CONFIG.grafana_url}/d/{rules.RESUME_DASHBOARD_UID}?var-job=tqmon"
             f"&var-instance={quote(s.instance, safe='')}",
         }
-        # tqmon believes the log's inflated R (30 of 20: nothing under-submitted), so only the live window fires.
-        assert [a["labels"]["alertname"] for a in prom.alerts() if a["state"] == "firing"] == [HEADLINE]
+        # tqmon keeps the log's inflated R (30 of 20: nothing under-submitted), but the judge flags that the
+        # checkpoint and the live window contradict it: those two alerts fire, and nothing else.
+        fired = sorted(
+            (a["labels"]["alertname"], a["labels"].get("quantity", "")) for a in prom.alerts() if a["state"] == "firing"
+        )
+        assert fired == [(DISAGREE, "restored"), (DISAGREE, "window_after_warmup"), (HEADLINE, "")], fired
 
         # Every dashboard query returns data from this Prometheus while the alert fires.
         queries = dashboard_queries(s.instance)
         assert len(queries) >= 40  # every panel target, variable and annotation of both dashboards
         empty = [where for where, expr in queries.items() if not prom.query(expr)]
-        assert empty == [], {where: queries[where] for where in empty}
+        lost_windows = [where for where in queries if where.endswith("annotation 'Lost windows'")]
+        assert len(lost_windows) == len(dashboards.DASHBOARDS)  # the exemption names a real query
+        assert empty == lost_windows, {where: queries[where] for where in empty}
 
         # Recovery: the 12 prompt groups a correct warmup would have added (T 20 - the 8 held after a sample),
         # pending at the trainer's current step. The window then holds 20 or 24.
@@ -291,6 +301,10 @@ def test_healthy_resume_fires_nothing(
         assert prom.value(f"min_over_time({window})") == 1.0
         assert (prom.value(f"tqmon_trainer_global_step{{{JOB}}}") or 0) > (step or 0)
         assert s.sim.poll() is None
+        # The sources agree on every quantity of the resume, live window included, and no window was lost.
+        quantities = f"count(tqmon_resume_source_disagreements{{{JOB}}} == 0)"
+        assert prom.value(quantities) == len(BY_NAME["tqmon_resume_source_disagreements"].labels[0].values or ())
+        assert prom.value(f"tqmon_resume_lost_prompt_groups{{{JOB}}}") == 0
         # And over the whole run, fresh start and preemption included, as Prometheus recorded it in ALERTS.
         assert prom.query('count_over_time(ALERTS{alertname=~"TQMon.*",alertstate="firing"}[10m])') == []
         assert prom.query(f'count_over_time(ALERTS{{alertname="{HEADLINE}"}}[10m])') == []

@@ -116,6 +116,8 @@ RESUME_RECORD: dict[str, Any] = {
     "semantics": "verl-0.9.1",
     "first_step_evictions": {"failure": 1, "stale": 0, "filtered": 0},
     "first_step_generation_wait_seconds": 2.5,
+    "disagreements": [],  # one source (the plugin): nothing to contradict
+    "lost_prompt_groups": 0,  # the restore was reported: nothing lost
     "verdict": "UNDER-SUBMITTED by 1",
 }
 RESUME_EVIDENCE = [

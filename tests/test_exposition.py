@@ -20,6 +20,8 @@ from tqmon.catalog import BY_NAME, CATALOG, MetricType, Stability
 from tqmon.exporters.prometheus import build_registry, render
 from tqmon.snapshot import (
     CheckpointView,
+    Claim,
+    Disagreement,
     Evidence,
     ResumeRecord,
     RunInfo,
@@ -58,6 +60,8 @@ def full_snapshot(now: float = NOW) -> Snapshot:
         first_step_evictions={"failure": 2, "stale": 0, "filtered": 0},
         first_step_generation_wait_seconds=31.5,
         evidence=(Evidence("log", "checkpoint_restored", "log:1", now - 119, "restored_prompt_groups=9"),),
+        disagreements=(Disagreement("reissued", (Claim("log", 3, now - 118), Claim("events", 2, now - 117)), "exact"),),
+        lost_prompt_groups=0,
     )
     return Snapshot(
         built_at=now,

@@ -8,8 +8,13 @@ plus the batch of 4 the first step adds before it samples.
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
 from typing import Any
 
+from click.testing import CliRunner
+
+from tqmon.cli import main
 from tqmon.events import CheckpointSaved, GroupCount, parse_event
 from tqmon.judge import Bounds, exact, has_tq_dir, window_bounds
 from tqmon.reconcile import Reconciler
@@ -196,3 +201,36 @@ def test_the_pure_pieces() -> None:
         False,
         None,
     )
+
+
+LOST_LOG = """\
+INFO:2026-11-28 22:00:00,000:Training from scratch
+INFO:2026-11-28 22:00:01,000:Added 12 warmup prompts after restoring 0 of 12 target prompt groups
+INFO:2026-11-28 22:00:02,000:pending: 16, running: 0, finished: 0, failure: 0
+INFO:2026-11-28 22:10:00,000:Saving checkpoint to /ckpt/global_step_10
+INFO:2026-11-28 22:20:00,000:Resuming from /ckpt/global_step_10, setting global step to 10
+INFO:2026-11-28 22:20:01,000:Added 12 warmup prompts after restoring 0 of 12 target prompt groups
+INFO:2026-11-28 22:20:02,000:pending: 3, running: 0, finished: 0, failure: 0
+"""
+
+
+def test_analyze_shows_a_lost_window_and_a_window_short_of_its_warmup(tmp_path: Path) -> None:
+    """From the log alone: the resume has no "Restored" line before its warmup (lost, 16 groups as the last
+    window before the restart said), and its first window holds 3 of the 0 + 12 just submitted."""
+    path = tmp_path / "trainer.log"
+    path.write_text(LOST_LOG)
+    result = CliRunner().invoke(main, ["analyze", "--json", str(path)])
+    assert result.exit_code == 0, result.output
+    fresh, resumed = json.loads(result.stdout)["records"]
+    assert (fresh["warmup_state"], fresh["lost_prompt_groups"], fresh["disagreements"]) == ("fresh_start", 0, [])
+    assert (resumed["warmup_state"], resumed["lost_prompt_groups"]) == ("lost_window", 16)
+    [disagreement] = resumed["disagreements"]
+    assert disagreement["quantity"] == "window_after_warmup"
+    assert [(c["source"], c["value"]) for c in disagreement["claims"]] == [("log R + M", 12), ("log", 3)]
+    assert disagreement["tolerance"] == "allowed 12.."  # no config: the batch a step adds is unknown
+
+    table = CliRunner().invoke(main, ["analyze", str(path)])
+    row = table.stdout.strip().splitlines()[-1]
+    assert "lost_window" in row
+    assert "LOST WINDOW: resumed without transfer_queue/ (16 prompt groups lost, all re-generated)" in row
+    assert "sources disagree: window_after_warmup: log R + M said 12; log said 3 (allowed 12..)" in row

@@ -31,7 +31,7 @@ from tests.conftest import TqmonProcess
 from tqmon.conditions import EVALUATORS, NEEDS_PROMETHEUS
 from tqmon.exporters.html import render
 from tqmon.rules import RuleConfig, alerts
-from tqmon.snapshot import Evidence, ResumeRecord, Snapshot, SourceHealth, Tally
+from tqmon.snapshot import Claim, Disagreement, Evidence, ResumeRecord, Snapshot, SourceHealth, Tally
 from tqmon.warmup import WarmupState
 
 Factory = Callable[..., TqmonProcess]
@@ -524,3 +524,39 @@ def test_no_start_yet() -> None:
     assert "No trainer start observed yet" in dom.find(id="last-start").text()
     assert dom.find_all(id="starts") == []
     assert {name for name, state in conditions(dom).items() if state == "true"} == set()
+
+
+def test_a_lost_window_whose_sources_disagree_is_flagged_with_each_source() -> None:
+    record = ResumeRecord(
+        index=1,
+        resumed=True,
+        started_at=T1 - 30,
+        checkpoint_step=6,
+        restored=0,
+        restored_by_status=dict.fromkeys(("pending", "running", "finished", "failure"), 0),
+        reissued=0,
+        target=8,
+        expected=8,
+        submitted=8,
+        over_restored=0,
+        doomed={"failure": 0, "stale": 0, "filtered": 0},
+        under_submitted=0,
+        warmup_state=WarmupState.LOST_WINDOW,
+        disagreements=(
+            Disagreement(
+                "window_after_warmup", (Claim("log R + M", 8, T1 - 29), Claim("tq", 3, T1 - 20)), "allowed 8..12"
+            ),
+        ),
+        lost_prompt_groups=12,
+    )
+    dom = parse(render(snapshot(record), T1))
+    assert dom.find(data_k="verdict").text() == (
+        "LOST WINDOW: resumed without transfer_queue/ (12 prompt groups lost, all re-generated); sources disagree:"
+        " window_after_warmup: log R + M said 8; tq said 3 (allowed 8..12)"
+    )
+    last = dom.find(id="last-start").text()
+    assert "Its checkpoint held no transfer_queue/: the saved window was lost (12 prompt groups)" in last
+    assert dom.find(data_k="disagreement").text() == "Sources disagree on window_after_warmup"
+    assert "tq said 3 (2025-12-01 00:46:20 UTC); allowed 8..12." in last
+    true = {name for name, state in conditions(dom).items() if state == "true"}
+    assert true == {"TQMonResumeLostWindow", "TQMonResumeSourcesDisagree"}

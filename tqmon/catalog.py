@@ -232,7 +232,7 @@ CATALOG: tuple[MetricSpec, ...] = (
         MetricType.GAUGE,
         "Prompt groups the last start lost because its checkpoint held no transfer_queue/ (warmup state"
         " lost_window): the last live window seen before the restart, or the previous checkpoint's composition;"
-        " absent when unknown or nothing was lost.",
+        " 0 when the start restored its window (or keeps none), absent while unknown.",
         "prompt_groups",
     ),
     # Checkpoint directory prediction.

@@ -174,8 +174,9 @@ def derive_record(
     state = warmup_state(obs, restored, target, submitted, predicted.state if predicted else None, previous_restored)
     if state is WarmupState.LEGACY_UNCONDITIONAL:
         semantics = "verl-0.9.0"
+    keeps_window = restores_tq(config) and (config is None or not config.skip_rollout_tq)
     window_lost = is_lost_window(
-        keeps_window=obs.resumed and restores_tq(config) and (config is None or not config.skip_rollout_tq),
+        keeps_window=obs.resumed and keeps_window,
         legacy=semantics == "verl-0.9.0",
         restore_reported=obs.restored_at is not None,
         decided=obs.submitted is not None or obs.skip_reason is not None,
@@ -226,7 +227,7 @@ def derive_record(
         first_step_generation_wait_seconds=obs.first_step_wait,
         evidence=tuple(evidence),
         disagreements=_disagreements(obs, config, loaded, restored, submitted, semantics, doomed),
-        lost_prompt_groups=_lost_groups(obs, previous) if window_lost else None,
+        lost_prompt_groups=_lost_groups(obs, previous) if window_lost else _nothing_lost(obs, keeps_window),
     )
 
 
@@ -288,6 +289,12 @@ def _disagreements(
         bounds = window_bounds(total, complete_doomed(loaded_doomed), total, added)
         windows[CHECKPOINT_WINDOW] = (Claim(source, total, at, event.id), obs.first_window, bounds)
     return judge(claims, windows)
+
+
+def _nothing_lost(obs: Observed, keeps_window: bool) -> int | None:
+    """0 when no window can have been lost (a fresh start, a reported restore, a mode that keeps none);
+    None while that is not known yet (or never: verl 0.9.0 does not report its restore)."""
+    return 0 if not obs.resumed or obs.restored_at is not None or not keeps_window else None
 
 
 def _lost_groups(obs: Observed, previous: Composition | None) -> int | None:
