@@ -234,3 +234,14 @@ def test_analyze_shows_a_lost_window_and_a_window_short_of_its_warmup(tmp_path: 
     assert "lost_window" in row
     assert "LOST WINDOW: resumed without transfer_queue/ (16 prompt groups lost, all re-generated)" in row
     assert "sources disagree: window_after_warmup: log R + M said 12; log said 3 (allowed 12..)" in row
+
+
+def test_a_plugin_contradicting_the_log_on_r_is_the_same_start_and_the_log_stands() -> None:
+    """The second door reporting another R is a contradiction about this start, not a new start; the record
+    keeps the first report whole rather than mixing one source's total with another's split."""
+    plugin = ev("checkpoint_restored", restored_prompt_groups=8, by_status=SPLIT)
+    state = fold(*log(*healthy_log(restored=30, submitted=0, target=12)), ("events", plugin))
+    [record] = state.records
+    assert (record.restored, record.restored_by_status) == (30, {"unknown": 30})
+    assert said(record)["restored"] == {"log": 30, "events": 8}
+    assert [e.source for e in record.evidence].count("events") == 1

@@ -434,6 +434,10 @@ def test_tqmon_matches_verl(
         assert gauge(metrics, "tqmon_resume_over_restored_prompt_groups") == max(0, verl.restored - verl.target)
     state = warmup_state(case, verl)
     assert gauge(metrics, "tqmon_resume_warmup_state", state=state) == 1, (state, record)
+    # verl's own log, its plugin, the checkpoint it saved and the config it reported agree on every quantity.
+    assert record["disagreements"] == [], record["disagreements"]
+    assert gauge(metrics, "tqmon_resume_source_disagreements", quantity="restored") == 0
+    assert gauge(metrics, "tqmon_resume_lost_prompt_groups") == 0
 
     # The doomed groups tqmon predicted are the groups verl's replay buffer evicted at the first sample.
     if case.sample:

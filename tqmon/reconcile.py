@@ -541,11 +541,15 @@ class Reconciler:
                     event.step,
                     True,
                     at,
-                    lambda o: o.restored in (None, restored) and (not o.decided or corroborates(o, source, event.type)),
+                    lambda o: (
+                        (o.restored in (None, restored) or corroborates(o, source, event.type))
+                        and (not o.decided or corroborates(o, source, event.type))
+                    ),
                 )
-                evidence_of.restored = restored
-                evidence_of.by_status = event.status_counts() or evidence_of.by_status
-                evidence_of.groups = event.groups or evidence_of.groups
+                if evidence_of.restored in (None, restored):  # a contradiction is judged, the first report kept
+                    evidence_of.restored = restored
+                    evidence_of.by_status = event.status_counts() or evidence_of.by_status
+                    evidence_of.groups = event.groups or evidence_of.groups
                 evidence_of.restored_at = at if evidence_of.restored_at is None else min(evidence_of.restored_at, at)
                 evidence_of.claim("restored", source, restored, at, event.id)
                 for status, count in (event.status_counts() or {}).items():
@@ -657,7 +661,11 @@ class Reconciler:
 
     def _before(self, step: int | None) -> Composition | None:
         """The newest composition with TQ state saved before ``step``: what a lost window held at best."""
-        steps = [s for s, c in self._compositions.items() if step is not None and s < step and has_tq_dir(c[0].path)]
+        steps = [
+            s
+            for s, c in self._compositions.items()
+            if step is not None and s < step and has_tq_dir(c[0].path) is not False
+        ]
         return self._compositions[max(steps)] if steps else None
 
     def _rederive(self) -> None:
