@@ -17,7 +17,7 @@ from click.testing import CliRunner
 from tqmon.cli import main
 from tqmon.events import CheckpointSaved, GroupCount, parse_event
 from tqmon.judge import Bounds, exact, has_tq_dir, window_bounds
-from tqmon.reconcile import Reconciler
+from tqmon.reconcile import Reconciler, predict_resume
 from tqmon.snapshot import Claim, ResumeRecord, WindowView
 from tqmon.warmup import GivenConfig, TrainerConfig, WarmupState
 
@@ -245,3 +245,14 @@ def test_a_plugin_contradicting_the_log_on_r_is_the_same_start_and_the_log_stand
     assert (record.restored, record.restored_by_status) == (30, {"unknown": 30})
     assert said(record)["restored"] == {"log": 30, "events": 8}
     assert [e.source for e in record.evidence].count("events") == 1
+
+
+def test_inspect_predicts_a_lost_window_only_without_the_tq_dir() -> None:
+    """``tqmon inspect`` shares the derivation: an empty TQ dir restores 0 groups (verl reports it), a
+    missing one loses the window."""
+    config = TrainerConfig(**T12).warmup_config("colocate_async")
+    empty = predict_resume(checkpoint(40, []), reissued=0, cleared=0, config=config)
+    assert (empty.warmup_state, empty.lost_prompt_groups) == (WarmupState.TOPPED_UP, 0)
+    missing = predict_resume(checkpoint(40, [], tq=False), reissued=0, cleared=0, config=config)
+    assert (missing.warmup_state, missing.lost_prompt_groups) == (WarmupState.LOST_WINDOW, None)
+    assert missing.evidence[-1].detail == "global_step_40 has no transfer_queue/"

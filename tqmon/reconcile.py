@@ -423,17 +423,20 @@ def predict_resume(saved: CheckpointSaved, reissued: int, cleared: int, config: 
     live resume.
     """
     at = saved.timestamp(0.0)
+    loaded = (saved, SourceName.CHECKPOINT.value, at)
     obs = Observed(index=0, resumed=True, started_at=at, run_id="", checkpoint_step=saved.step)
-    obs = with_checkpoint(obs, (saved, SourceName.CHECKPOINT, at), config)
+    obs = with_checkpoint(obs, loaded, config)
     if obs.restored is not None:
         obs.reissued, obs.cleared = reissued, cleared
+    if has_tq_dir(saved.path) is not False and restores_tq(config):
+        obs.restored_at = at  # verl reports every restore it loads, an empty one too; without the dir, none
     if config is not None:
         decision = decide_warmup(config, obs.restored or 0, resumed=True)
         if decision.logged:
             obs.target, obs.submitted = decision.target, decision.submitted
         else:
             obs.skip_reason = skip_reason(config)
-    return derive_record(obs, config, None)
+    return derive_record(obs, config, None, loaded=loaded)
 
 
 def corroborates(obs: Observed, source: str, event_type: str) -> bool:
