@@ -256,3 +256,14 @@ def test_inspect_predicts_a_lost_window_only_without_the_tq_dir() -> None:
     missing = predict_resume(checkpoint(40, [], tq=False), reissued=0, cleared=0, config=config)
     assert (missing.warmup_state, missing.lost_prompt_groups) == (WarmupState.LOST_WINDOW, None)
     assert missing.evidence[-1].detail == "global_step_40 has no transfer_queue/"
+
+
+def test_tqmon_inspect_says_a_checkpoint_without_its_tq_dir_loses_the_window(tmp_path: Path) -> None:
+    (tmp_path / "global_step_6").mkdir()
+    (tmp_path / "latest_checkpointed_iteration.txt").write_text("6")
+    flags = ["--trainer-mode", "colocate_async", "--train-batch-size", "4", "--num-warmup-batches", "2"]
+    result = CliRunner().invoke(main, ["inspect", str(tmp_path), *flags])
+    assert result.exit_code == 0, result.output
+    headline = result.stdout.splitlines()[0]
+    assert headline.endswith("of 8 — LOST WINDOW: no transfer_queue/ to restore, the warmup re-generates it all")
+    assert "warmup M         8 (lost_window)" in result.stdout

@@ -152,6 +152,8 @@ def render(result: Preflight) -> str:
             head += f" — under-submitted by {minimum}{result.under_submitted}"
         elif result.over_restored:
             head += f" — over-restored by {result.over_restored} (kept all run)"
+        elif result.warmup_state is WarmupState.LOST_WINDOW:
+            head += " — LOST WINDOW: no transfer_queue/ to restore, the warmup re-generates it all"
         else:
             head += " — ok"
     else:
