@@ -63,6 +63,7 @@ class TrainerFlags:
     max_off_policy_strategy: str
     skip_rollout_tq: bool
     filter_groups: bool
+    filter_groups_metric: str | None
     trainer_config: Path | None
 
     @property
@@ -90,6 +91,7 @@ class TrainerFlags:
                 max_off_policy_threshold=self.max_off_policy_threshold,
                 max_off_policy_strategy=self.max_off_policy_strategy,
                 filter_groups=self.filter_groups,
+                filter_groups_metric=self.filter_groups_metric,
             )
         except ValidationError as err:
             raise click.UsageError(f"invalid trainer config: {err}") from None
@@ -163,6 +165,13 @@ _TRAINER_OPTIONS = (
         "--skip-rollout-tq", is_flag=True, help="skip.rollout_tq.enable (disables the warmup).", env="SKIP_ROLLOUT_TQ"
     ),
     option("--filter-groups", is_flag=True, help="algorithm.filter_groups.enable (DAPO).", env="FILTER_GROUPS"),
+    option(
+        "--filter-groups-metric",
+        default=None,
+        help="algorithm.filter_groups.metric: with --filter-groups, the checkpoint's storage units predict "
+        "the groups DAPO filters ('reward' reads rm_scores).",
+        env="FILTER_GROUPS_METRIC",
+    ),
     option(
         "--trainer-config",
         type=click.Path(exists=True, dir_okay=False, path_type=Path),
@@ -426,11 +435,17 @@ def inspect_checkpoint(checkpoint_dir: Path, step: int | None, as_json: bool, tr
     with --train-batch-size and --num-warmup-batches, T, M, O and the under-submission. Reads only.
     """
     from tqmon.sources.checkpoint import CheckpointError, preflight, read_checkpoint, render, resolve
+    from tqmon.sources.tq_storage import dapo_metric
 
     root, resolved = resolve(checkpoint_dir)
     resolved_config = trainer.resolve()
     try:
-        reading = read_checkpoint(root, step if step is not None else resolved, progress=_progressbar)
+        reading = read_checkpoint(
+            root,
+            step if step is not None else resolved,
+            progress=_progressbar,
+            filter_metric=dapo_metric(resolved_config[1] if resolved_config else None),  # issue 12 §3
+        )
     except CheckpointError as err:
         raise click.ClickException(str(err)) from None
     warmup = None if resolved_config is None else resolved_config[1].warmup_config(resolved_config[0])

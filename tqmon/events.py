@@ -71,6 +71,9 @@ class TrainerConfig(BaseModel):
         "drop", description="trainer.v1.sampler.max_off_policy_strategy"
     )
     filter_groups: bool = Field(False, description="algorithm.filter_groups.enable")
+    filter_groups_metric: str | None = Field(
+        None, max_length=200, description="algorithm.filter_groups.metric (the checkpoint predicts DAPO with it)"
+    )
 
     def warmup_config(self, trainer_mode: str) -> WarmupConfig:
         return WarmupConfig(trainer_mode=trainer_mode, **self.model_dump())
@@ -190,6 +193,11 @@ class CheckpointSaved(_Event):
     )
     orphan_trajectories: Count | None = Field(
         None, description="trajectory keys in partition train whose uid has no prompt key"
+    )
+    filter_metric: str | None = Field(
+        None,
+        max_length=200,
+        description="the DAPO metric every finished group's `filtered` verdict was decided with; null: no verdicts",
     )
 
     @model_validator(mode="after")

@@ -57,6 +57,7 @@ def load_trainer_config(path: Path) -> tuple[str, TrainerConfig]:
             max_off_policy_threshold=get("trainer.v1.sampler.max_off_policy_threshold", 8),
             max_off_policy_strategy=get("trainer.v1.sampler.max_off_policy_strategy", "drop"),
             filter_groups=bool(filter_groups is not None and get("algorithm.filter_groups.enable", False)),
+            filter_groups_metric=None if filter_groups is None else get("algorithm.filter_groups.metric", None),
         )
     except ValidationError as err:
         raise HydraConfigError(f"{path}: {describe_validation(err)}") from None

@@ -14,6 +14,7 @@ from tqmon.exporters.prometheus import build_registry
 from tqmon.sources.checkpoint import CheckpointSource
 from tqmon.sources.logfile import LogSource, parse_jsonl
 from tqmon.sources.tq import PollBudget, PollerProcess, TQSource
+from tqmon.sources.tq_storage import dapo_metric
 from tqmon.store import StateStore
 from tqmon.tracker import Tracker
 
@@ -103,7 +104,12 @@ class Service:
             else None
         )
         self.checkpoint_source = (
-            CheckpointSource(config.checkpoint_dir, self.tracker, interval=config.checkpoint_interval)
+            CheckpointSource(
+                config.checkpoint_dir,
+                self.tracker,
+                interval=config.checkpoint_interval,
+                filter_metric=dapo_metric(config.trainer[1] if config.trainer else None),  # issue 12 §3
+            )
             if config.checkpoint_dir is not None
             else None
         )

@@ -270,7 +270,7 @@ def checkpoint_doomed(event: CheckpointSaved, config: WarmupConfig | None) -> di
     if statuses is None:
         return None
     groups = restored_groups(event.groups) if event.groups is not None else None
-    return known_doomed(config, statuses, groups, event.step)
+    return known_doomed(config, statuses, groups, event.step, filter_verdicts=event.filter_metric is not None)
 
 
 class Tracker:

@@ -28,7 +28,7 @@ from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from tqmon.composition import EMPTY, Composition, CompositionError, Progress, compose
 from tqmon.events import CheckpointSaved
@@ -40,6 +40,9 @@ from tqmon.warmup import (
     decide_warmup,
     under_submitted,
 )
+
+if TYPE_CHECKING:
+    from tqmon.sources.tq_storage import FilterVerdicts  # DAPO verdicts (issue 12 §3)
 
 SOURCE = "checkpoint"
 LATEST_FILE = "latest_checkpointed_iteration.txt"
@@ -288,6 +291,8 @@ class CheckpointReading:
     storage_saved: bool | None = None
     saved_at_ns: int = 0  # mtime of controller_state.pkl (or of global_step_N without a TQ dir)
     size_bytes: int = 0  # of controller_state.pkl
+    filter_verdicts: FilterVerdicts | None = None  # DAPO (issue 12 §3): read from the storage units
+    filter_error: CheckpointError | None = None  # why the verdicts could not be read
 
     @property
     def event_id(self) -> str:
@@ -295,6 +300,8 @@ class CheckpointReading:
 
     def to_event(self) -> CheckpointSaved:
         """The one event the checkpoint source ingests for this checkpoint."""
+        from tqmon.sources.tq_storage import dapo_update  # issue 12 §3 (that module imports this one)
+
         c = self.composition
         return CheckpointSaved(
             id=self.event_id,
@@ -304,7 +311,7 @@ class CheckpointReading:
             by_status=c.by_status,
             groups=c.group_counts(),
             orphan_trajectories=c.orphan_trajectories,
-        )
+        ).model_copy(update=dapo_update(c.group_counts(), self.filter_verdicts))  # issue 12 §3
 
 
 def latest_step(root: Path) -> int:
@@ -392,7 +399,7 @@ def read_metadata(tq_dir: Path, step: int) -> tuple[bool | None, dict[str, Any]]
 
 
 def read_checkpoint(
-    root: Path, step: int | None = None, *, progress: ProgressFactory | None = None
+    root: Path, step: int | None = None, *, progress: ProgressFactory | None = None, filter_metric: str | None = None
 ) -> CheckpointReading:
     """Read ``global_step_N`` (default: the latest) without writing anything; raises :class:`CheckpointError`.
 
@@ -429,7 +436,10 @@ def read_checkpoint(
         raise CheckpointError(err.reason, f"{path}: {err}") from None
     except CompositionError as err:
         raise CheckpointError("invalid_data", f"{path}: {err}") from None
-    return CheckpointReading(root, step, tq_dir, composition, user, storage_saved, st.st_mtime_ns, st.st_size)
+    reading = CheckpointReading(root, step, tq_dir, composition, user, storage_saved, st.st_mtime_ns, st.st_size)
+    from tqmon.sources.tq_storage import with_filter_verdicts  # issue 12 §3 (that module imports this one)
+
+    return with_filter_verdicts(reading, state, filter_metric)  # issue 12 §3: DAPO needs the storage units
 
 
 def _stat(path: Path) -> os.stat_result:
@@ -482,6 +492,8 @@ class Preflight:
         return set(self.doomed) == set(DOOM_REASONS)
 
     def to_json(self) -> dict[str, Any]:
+        from tqmon.sources.tq_storage import dapo_json  # issue 12 §3 (that module imports this one)
+
         c = self.reading.composition
         return {
             "checkpoint_dir": str(self.reading.root),
@@ -508,6 +520,7 @@ class Preflight:
             "under_submitted_is_lower_bound": self.under_submitted is not None and not self.doomed_complete,
             "controller_state_bytes": self.reading.size_bytes,
             "saved_at": self.reading.saved_at_ns / 1e9,
+            "dapo": dapo_json(self.reading, self.config),  # issue 12 §3
             "notes": list(self.notes),
         }
 
@@ -560,8 +573,9 @@ def preflight(reading: CheckpointReading, config: WarmupConfig | None) -> Prefli
     doomed = predicted_doomed(reading, config)
     decision = decide_warmup(config, restored, resumed=True)
     lost = sum(doomed.values())
-    if "filtered" not in doomed:
-        notes.append("filter_groups is on: groups DAPO filters are not in the checkpoint, the deficit is a minimum")
+    from tqmon.sources.tq_storage import dapo_notes  # issue 12 §3 (that module imports this one)
+
+    notes.extend(dapo_notes(reading, config, known="filtered" in doomed))
     return Preflight(
         reading,
         config,
@@ -679,8 +693,11 @@ def _size(n: int) -> str:
 class CheckpointSource:
     """Polls the checkpoint dir every ``interval`` seconds; ingests one event per new checkpoint."""
 
-    def __init__(self, checkpoint_dir: Path, tracker: Tracker, *, interval: float = 10.0) -> None:
+    def __init__(
+        self, checkpoint_dir: Path, tracker: Tracker, *, interval: float = 10.0, filter_metric: str | None = None
+    ) -> None:
         self.checkpoint_dir = Path(checkpoint_dir)
+        self.filter_metric = filter_metric  # DAPO's metric: read the storage units too (issue 12 §3)
         self.tracker = tracker
         self.interval = interval
         self._seen: tuple[object, ...] | None = None  # signature of the last read
@@ -709,10 +726,12 @@ class CheckpointSource:
             if current != self._seen:
                 self._seen, self._error = current, None
                 try:
-                    reading = read_checkpoint(self.checkpoint_dir)
+                    reading = read_checkpoint(self.checkpoint_dir, filter_metric=self.filter_metric)
                 except CheckpointError as err:
                     self._error = err
                 else:
+                    if reading.filter_error is not None:  # the composition stands; filtered stays unknown
+                        self.tracker.source_error(SOURCE, reading.filter_error.reason)
                     self.tracker.ingest([reading.to_event()], SOURCE)
         except Exception as err:  # a bug must not kill the thread: report it as this source's failure
             log.exception("checkpoint poll failed")
