@@ -39,6 +39,7 @@ REWARD_METRIC = "reward"  # verl's FILTER_GROUPS_REWARD_METRIC: the summed rm_sc
 HYBRID_FORMAT = "transfer_queue_hybrid_storage_v1"
 MAX_STORAGE_BYTES = 32 << 30  # refuse a bigger storage checkpoint (the walk is linear in its size)
 MAX_MEMO_ENTRIES = 20_000_000  # objects a walk may remember for back-references
+MAX_TENSOR_ELEMENTS = 1 << 20  # elements of one decoded tensor (an rm_scores row is a response long)
 MAX_SHORT_STR = 256  # strings longer than this are not kept in skipped regions
 CHUNK = 1 << 20
 
@@ -86,10 +87,22 @@ class _StorageRecordUnpickler(RestrictedUnpickler):
 
 @dataclass(frozen=True, slots=True)
 class DecodedStorage:
-    """One torch storage: its element type and values."""
+    """One torch storage: its element type and raw little-endian data (elements are unpacked on demand)."""
 
     kind: str  # a key of STORAGE_CODES
-    values: tuple[float | int | bool, ...]
+    raw: bytes
+    count: int
+
+    def at(self, positions: list[int]) -> tuple[float | int | bool, ...]:
+        """The elements at ``positions``; only those are unpacked."""
+        code, size = STORAGE_CODES[self.kind]
+        if positions and positions == list(range(positions[0], positions[0] + len(positions))):
+            values: tuple[Any, ...] = struct.unpack_from(f"<{len(positions)}{code}", self.raw, positions[0] * size)
+        else:
+            values = tuple(struct.unpack_from(f"<{code}", self.raw, p * size)[0] for p in positions)
+        if self.kind == "BFloat16Storage":
+            values = struct.unpack(f"<{len(values)}f", struct.pack(f"<{len(values)}I", *(v << 16 for v in values)))
+        return values
 
 
 @dataclass(frozen=True, slots=True)
@@ -100,14 +113,17 @@ class DecodedTensor:
     elements: tuple[float | int | bool, ...]
 
     def sum(self) -> float:
-        """``float(tensor.sum().item())``: added exactly, then rounded to the tensor's type as torch returns it.
+        """``float(tensor.sum().item())``: added in order in float64, then rounded to the tensor's type.
 
-        torch accumulates a float32 sum in float32 (cascade summation); the exact sum rounded once equals it
-        whenever the partial sums are exact, as for verl's ``rm_scores`` (one non-zero score per row).
+        That is torch's answer for verl's ``rm_scores`` (one non-zero score per row: every order is exact)
+        and for short rows; torch's vectorised cascade over long rows of many non-zero floats may differ
+        in the last bit, which can only move a group whose scores differ by that bit.
         """
         if self.kind not in _FLOAT_KINDS:
             return float(sum(int(x) for x in self.elements))
-        total = math.fsum(float(x) for x in self.elements)
+        total = 0.0
+        for x in self.elements:
+            total += x
         return round_to(self.kind, total)
 
 
@@ -115,22 +131,18 @@ _FLOAT_KINDS = frozenset({"DoubleStorage", "FloatStorage", "HalfStorage", "BFloa
 
 
 def round_to(kind: str, value: float) -> float:
-    """``value`` rounded to nearest-even in the storage's float type (float64 is already exact)."""
+    """``value`` as torch converts a double to the storage's float type: via float32, nearest-even each time."""
     if kind == "DoubleStorage" or not math.isfinite(value):
         return value
-    if kind == "HalfStorage":
-        try:
-            return float(struct.unpack("<e", struct.pack("<e", value))[0])
-        except OverflowError:
-            return math.copysign(math.inf, value)
     try:
         single = float(struct.unpack("<f", struct.pack("<f", value))[0])
+        if kind == "HalfStorage":
+            return float(struct.unpack("<e", struct.pack("<e", single))[0])
     except OverflowError:
         return math.copysign(math.inf, value)
     if kind == "FloatStorage":
         return single
-    # bfloat16: the high half of a float32, rounded to nearest-even from the exact value's float32
-    (bits,) = struct.unpack("<I", struct.pack("<f", single))
+    (bits,) = struct.unpack("<I", struct.pack("<f", single))  # bfloat16: the high half of a float32
     bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
     return float(struct.unpack("<f", struct.pack("<I", bits))[0])
 
@@ -158,7 +170,7 @@ def decode_storage(data: object) -> DecodedStorage:
     keys = record()
     if not isinstance(pid, tuple) or keys != [pid[2]]:
         raise CheckpointError("invalid_data", "torch storage payload does not hold exactly one storage")
-    code, size = STORAGE_CODES[pid[1]]
+    size = STORAGE_CODES[pid[1]][1]
     header = stream.read(8)
     if len(header) != 8:
         raise CheckpointError("invalid_data", "torch storage payload is truncated")
@@ -166,10 +178,7 @@ def decode_storage(data: object) -> DecodedStorage:
     raw = stream.read()
     if count != pid[4] or len(raw) != count * size:
         raise CheckpointError("invalid_data", f"torch storage holds {len(raw)} bytes, not {count} x {size}")
-    values: tuple[Any, ...] = struct.unpack(f"<{count}{code}", raw)
-    if pid[1] == "BFloat16Storage":
-        values = struct.unpack(f"<{count}f", struct.pack(f"<{count}I", *(v << 16 for v in values)))
-    return DecodedStorage(pid[1], values)
+    return DecodedStorage(pid[1], raw, count)
 
 
 def rebuild_tensor(storage: object, offset: object, size: object, stride: object, *rest: object) -> DecodedTensor:
@@ -184,14 +193,14 @@ def rebuild_tensor(storage: object, offset: object, size: object, stride: object
         or not all(isinstance(d, int) and d >= 0 for d in (offset, *size, *stride))
     ):
         raise CheckpointError("invalid_data", f"torch tensor geometry {offset!r}, {size!r}, {stride!r} is invalid")
-    if math.prod(size) > len(storage.values) * max(1, max(stride, default=1)):
-        raise CheckpointError("invalid_data", f"torch tensor of size {size} is larger than its storage")
+    if math.prod(size) > MAX_TENSOR_ELEMENTS:
+        raise CheckpointError("too_large", f"torch tensor of size {size} in the metric's field: over the cap")
     positions = [offset]
     for dim, step in zip(size, stride, strict=True):
         positions = [p + i * step for p in positions for i in range(dim)]
-    if positions and max(positions) >= len(storage.values):
+    if positions and max(positions) >= storage.count:
         raise CheckpointError("invalid_data", "torch tensor reaches past the end of its storage")
-    return DecodedTensor(storage.kind, tuple(storage.values[p] for p in positions))
+    return DecodedTensor(storage.kind, storage.at(positions))
 
 
 # ---------------------------------------------------------------- the selective walk
@@ -223,9 +232,10 @@ class Global:
 
 @dataclass(frozen=True, slots=True)
 class Refused:
-    """The result of calling a :class:`Global`: an error if it reaches a value that is read."""
+    """What the walk would not build (a call of a :class:`Global`, an object only a skipped region holds):
+    an error if it reaches a value that is read."""
 
-    qualname: str
+    what: str
 
 
 KEEP = "keep"  # materialise everything under this slot
@@ -259,7 +269,7 @@ def _children(container: object, mode: Mode, key: object = None) -> Mode:
 STAND_INS: Mapping[tuple[str, str], Callable[..., object]] = {
     ("torch._utils", "_rebuild_tensor_v2"): rebuild_tensor,
     ("torch.storage", "_load_from_bytes"): decode_storage,
-    ("collections", "OrderedDict"): lambda *args: {} if not args else Refused("collections.OrderedDict(...)"),
+    ("collections", "OrderedDict"): lambda *args: {} if not args else Refused("a non-empty collections.OrderedDict"),
 }
 
 
@@ -403,7 +413,7 @@ class SelectiveWalker:
         if mode is SKIP or isinstance(args, _Skipped) or isinstance(fn, _Skipped):
             return SKIP
         if isinstance(fn, Global):
-            return Refused(f"{fn.module}.{fn.name}")
+            return Refused(f"global {fn.module}.{fn.name}")
         if not callable(fn) or not isinstance(args, tuple):
             raise CheckpointError("invalid_data", "REDUCE of something that is not a stand-in")
         for arg in args:
@@ -430,7 +440,8 @@ class SelectiveWalker:
                 mode = self._next_mode()
                 if index >= self._memo_next:
                     raise CheckpointError("invalid_data", f"memo index {index} was never stored")
-                self._push(self.memo.get(index, SKIP), mode)
+                unread = SKIP if mode is SKIP else Refused(f"object #{index}, which only a skipped field holds")
+                self._push(self.memo.get(index, unread), mode)
             elif op == 0x28:  # MARK
                 self.marks.append(len(self.stack))
             elif op in (0x4B, 0x4D, 0x4A):  # BININT1, BININT2, BININT
@@ -580,7 +591,7 @@ def metric_spec(metric: str, wanted: frozenset[int]) -> Select:
 def metric_value(metric: str, value: object) -> float | None:
     """verl's per-trajectory metric from the value of its field; None when the trajectory lacks it."""
     if isinstance(value, Refused):
-        raise CheckpointError("invalid_data", f"refused global {value.qualname} in the DAPO metric's field")
+        raise CheckpointError("invalid_data", f"refused {value.what} in the DAPO metric's field")
     if metric == REWARD_METRIC:
         if not isinstance(value, DecodedTensor):
             raise CheckpointError("invalid_data", f"rm_scores value is {type(value).__name__}, not a tensor")
@@ -589,6 +600,8 @@ def metric_value(metric: str, value: object) -> float | None:
     if not isinstance(info, dict) or metric not in info:
         return None
     raw = info[metric]
+    if isinstance(raw, Refused):
+        raise CheckpointError("invalid_data", f"refused {raw.what} in the DAPO metric's field")
     if isinstance(raw, DecodedTensor) and len(raw.elements) == 1:
         raw = raw.elements[0]
     if isinstance(raw, bool | int | float):
