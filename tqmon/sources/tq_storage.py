@@ -107,24 +107,25 @@ class DecodedStorage:
 
 @dataclass(frozen=True, slots=True)
 class DecodedTensor:
-    """A strided view of a decoded storage: the elements ``tensor.sum()`` adds, in memory order."""
+    """A decoded tensor, reduced to what verl reads of it: its sum (and its one element, for a scalar)."""
 
-    kind: str
-    elements: tuple[float | int | bool, ...]
+    sum: float  # ``float(tensor.sum().item())``, see :func:`tensor_sum`
+    scalar: float | int | bool | None  # the element of a one-element tensor, else None
 
-    def sum(self) -> float:
-        """``float(tensor.sum().item())``: added in order in float64, then rounded to the tensor's type.
 
-        That is torch's answer for verl's ``rm_scores`` (one non-zero score per row: every order is exact)
-        and for short rows; torch's vectorised cascade over long rows of many non-zero floats may differ
-        in the last bit, which can only move a group whose scores differ by that bit.
-        """
-        if self.kind not in _FLOAT_KINDS:
-            return float(sum(int(x) for x in self.elements))
-        total = 0.0
-        for x in self.elements:
-            total += x
-        return round_to(self.kind, total)
+def tensor_sum(kind: str, elements: tuple[float | int | bool, ...]) -> float:
+    """``float(tensor.sum().item())``: added in order in float64, then rounded to the tensor's type.
+
+    That is torch's answer for verl's ``rm_scores`` (one non-zero score per row: every order is exact)
+    and for short rows; torch's vectorised cascade over long rows of many non-zero floats may differ in
+    the last bit, which can only move a group whose scores differ by that bit.
+    """
+    if kind not in _FLOAT_KINDS:
+        return float(sum(int(x) for x in elements))
+    total = 0.0
+    for x in elements:
+        total += x
+    return round_to(kind, total)
 
 
 _FLOAT_KINDS = frozenset({"DoubleStorage", "FloatStorage", "HalfStorage", "BFloat16Storage"})
@@ -200,7 +201,8 @@ def rebuild_tensor(storage: object, offset: object, size: object, stride: object
         positions = [p + i * step for p in positions for i in range(dim)]
     if positions and max(positions) >= storage.count:
         raise CheckpointError("invalid_data", "torch tensor reaches past the end of its storage")
-    return DecodedTensor(storage.kind, storage.at(positions))
+    elements = storage.at(positions)
+    return DecodedTensor(tensor_sum(storage.kind, elements), elements[0] if len(elements) == 1 else None)
 
 
 # ---------------------------------------------------------------- the selective walk
@@ -291,6 +293,7 @@ class SelectiveWalker:
         self.stack: list[object] = []
         self.modes: list[Mode] = []
         self.marks: list[int] = []
+        self._group_modes: list[Mode | None] = []  # per open mark: the mode of its items, once computed
         self.memo: dict[int, object] = {}
         self._memo_next = 0
 
@@ -341,7 +344,10 @@ class SelectiveWalker:
             elif isinstance(receiver, list | set) or receiver in (SKIP_LIST, SKIP_SET):
                 mode = KEEP if received is KEEP else SKIP
             else:  # a tuple or an argument list: it lands at m, or is called with what is at m - 1
-                mode = _stronger(received, self._mode_at(m, marks - 1))
+                group = self._group_modes[marks - 1]  # fixed while the mark is open: nothing below it moves
+                if group is None:
+                    group = self._group_modes[marks - 1] = _stronger(received, self._mode_at(m, marks - 1))
+                mode = group
         if p >= 2 and (not marks or self.marks[marks - 1] < p - 1):
             owner = stack[p - 2]
             if isinstance(owner, dict):
@@ -364,6 +370,7 @@ class SelectiveWalker:
         if not self.marks:
             raise CheckpointError("invalid_data", "pickle pops a mark it never pushed")
         m = self.marks.pop()
+        self._group_modes.pop()
         items, modes = self.stack[m:], self.modes[m:]
         del self.stack[m:], self.modes[m:]
         return items, modes
@@ -379,8 +386,8 @@ class SelectiveWalker:
     def _memoize(self, obj: object, mode: Mode) -> None:
         index = self._memo_next
         self._memo_next += 1
-        if isinstance(obj, _Skipped):
-            return
+        if isinstance(obj, _Skipped | bytes | bytearray | DecodedStorage):
+            return  # payloads are consumed where they stand; a later reference to one is refused if needed
         if mode is SKIP and not (
             obj is None
             or isinstance(obj, bool | int | float | Global)
@@ -444,6 +451,7 @@ class SelectiveWalker:
                 self._push(self.memo.get(index, unread), mode)
             elif op == 0x28:  # MARK
                 self.marks.append(len(self.stack))
+                self._group_modes.append(None)
             elif op in (0x4B, 0x4D, 0x4A):  # BININT1, BININT2, BININT
                 fmt, n = {0x4B: ("<B", 1), 0x4D: ("<H", 2), 0x4A: ("<i", 4)}[op]
                 self._push(struct.unpack(fmt, read(n))[0], self._next_mode())
@@ -530,6 +538,7 @@ class SelectiveWalker:
             elif op == 0x30:  # POP
                 if self.marks and self.marks[-1] == len(self.stack):
                     self.marks.pop()
+                    self._group_modes.pop()
                 else:
                     self._pop(1)
             elif op == 0x31:  # POP_MARK
@@ -595,15 +604,15 @@ def metric_value(metric: str, value: object) -> float | None:
     if metric == REWARD_METRIC:
         if not isinstance(value, DecodedTensor):
             raise CheckpointError("invalid_data", f"rm_scores value is {type(value).__name__}, not a tensor")
-        return value.sum()
+        return value.sum
     info = value.get("reward_extra_info", {}) if isinstance(value, dict) else {}
     if not isinstance(info, dict) or metric not in info:
         return None
     raw = info[metric]
     if isinstance(raw, Refused):
         raise CheckpointError("invalid_data", f"refused {raw.what} in the DAPO metric's field")
-    if isinstance(raw, DecodedTensor) and len(raw.elements) == 1:
-        raw = raw.elements[0]
+    if isinstance(raw, DecodedTensor) and raw.scalar is not None:
+        raw = raw.scalar
     if isinstance(raw, bool | int | float):
         return float(raw)
     raise CheckpointError("invalid_data", f"metric {metric!r} is {type(raw).__name__}, not a number")
