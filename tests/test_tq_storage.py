@@ -216,3 +216,28 @@ def test_bfloat16_rounding_matches_torch() -> None:
                 kind,
                 value,
             )
+
+
+@pytest.mark.parametrize(
+    ("payload", "reason", "message"),
+    [
+        (b"\x80\x05" + b"(" * 5000 + b".", "invalid_data", "more than 1000 mark groups"),
+        (b"\x80\x05}K\x01\x8e" + (1 << 62).to_bytes(8, "little"), "too_large", "over the cap"),
+        (b"\x80\x05}K\x01\x8d" + (1 << 62).to_bytes(8, "little"), "too_large", "over the cap"),
+        (b"\x80\x05K\x01K\x02s.", "invalid_data", "stack underflow"),
+    ],
+)
+def test_hostile_shapes_are_refused_without_allocating(
+    tmp_path: Path, payload: bytes, reason: str, message: str
+) -> None:
+    """Deep nesting, a huge declared payload where the metric is read, and items set on a number."""
+    path = save_unit(unit_path(tmp_path), {"rm_scores": [torch.zeros(2)]}, [0])
+    path.write_bytes(payload)
+    walker_spec = Select(lambda _: KEEP)  # everything is "needed": the worst case for the caps
+    if reason == "too_large":
+        with pytest.raises(CheckpointError, match=message) as err:
+            SelectiveWalker(io.BytesIO(payload), walker_spec).load()
+    else:
+        with pytest.raises(CheckpointError, match=message) as err:
+            read_metric_values(tmp_path / "transfer_queue", "reward", [0])
+    assert err.value.reason == reason

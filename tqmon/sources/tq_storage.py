@@ -41,6 +41,8 @@ MAX_STORAGE_BYTES = 32 << 30  # refuse a bigger storage checkpoint (the walk is 
 MAX_MEMO_ENTRIES = 20_000_000  # objects a walk may remember for back-references
 MAX_TENSOR_ELEMENTS = 1 << 20  # elements of one decoded tensor (an rm_scores row is a response long)
 MAX_SHORT_STR = 256  # strings longer than this are not kept in skipped regions
+MAX_PAYLOAD = 64 << 20  # bytes of one string or payload the walk builds (a metric value is far smaller)
+MAX_MARKS = 1000  # nesting of mark groups (tuples, batches) the walk follows
 CHUNK = 1 << 20
 
 # ---------------------------------------------------------------- torch tensors, from their bytes
@@ -324,6 +326,8 @@ class SelectiveWalker:
         if mode is SKIP:
             self._skip(n)
             return SKIP
+        if n > MAX_PAYLOAD:
+            raise CheckpointError("too_large", f"a payload of {n} bytes where the metric is read: over the cap")
         return self._read(n)
 
     # -- modes
@@ -450,6 +454,8 @@ class SelectiveWalker:
                 unread = SKIP if mode is SKIP else Refused(f"object #{index}, which only a skipped field holds")
                 self._push(self.memo.get(index, unread), mode)
             elif op == 0x28:  # MARK
+                if len(self.marks) >= MAX_MARKS:
+                    raise CheckpointError("invalid_data", f"pickle nests more than {MAX_MARKS} mark groups")
                 self.marks.append(len(self.stack))
                 self._group_modes.append(None)
             elif op in (0x4B, 0x4D, 0x4A):  # BININT1, BININT2, BININT
@@ -469,6 +475,8 @@ class SelectiveWalker:
                 if mode is SKIP and n > MAX_SHORT_STR:
                     self._skip(n)
                     self._push(SKIP, mode)
+                elif n > MAX_PAYLOAD:
+                    raise CheckpointError("too_large", f"a string of {n} bytes where the metric is read: over the cap")
                 else:
                     try:
                         self._push(read(n).decode("utf-8", "surrogatepass"), mode)
@@ -665,6 +673,8 @@ def read_metric_values(
             raise CheckpointError("read_error", f"{path}: {err.strerror or err}") from None
         except CheckpointError as err:
             raise CheckpointError(err.reason, f"{path}: {err}") from None
+        except Exception as err:  # a stand-in or an operation fed garbage (TypeError, ValueError, ...)
+            raise CheckpointError("invalid_data", f"{path}: not a storage unit: {type(err).__name__}: {err}") from None
         if not isinstance(root, dict) or not isinstance(root.get("field_data"), dict):
             raise CheckpointError("invalid_data", f"{path}: not a TransferQueue storage unit (no field_data)")
         if root.get("format", HYBRID_FORMAT) != HYBRID_FORMAT:
