@@ -230,7 +230,7 @@ def test_bfloat16_rounding_matches_torch() -> None:
 def test_hostile_shapes_are_refused_without_allocating(
     tmp_path: Path, payload: bytes, reason: str, message: str
 ) -> None:
-    """Deep nesting, a huge declared payload where the metric is read, and items set on a number."""
+    """Deep nesting, a huge declared payload where the metric is read, and items set on nothing."""
     path = save_unit(unit_path(tmp_path), {"rm_scores": [torch.zeros(2)]}, [0])
     path.write_bytes(payload)
     walker_spec = Select(lambda _: KEEP)  # everything is "needed": the worst case for the caps

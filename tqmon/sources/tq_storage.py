@@ -461,8 +461,10 @@ class SelectiveWalker:
             elif op in (0x4B, 0x4D, 0x4A):  # BININT1, BININT2, BININT
                 fmt, n = {0x4B: ("<B", 1), 0x4D: ("<H", 2), 0x4A: ("<i", 4)}[op]
                 self._push(struct.unpack(fmt, read(n))[0], self._next_mode())
-            elif op == 0x8A:  # LONG1
-                n = read(1)[0]
+            elif op in (0x8A, 0x8B):  # LONG1, LONG4
+                n = read(1)[0] if op == 0x8A else struct.unpack("<i", read(4))[0]
+                if not 0 <= n <= 1 << 16:
+                    raise CheckpointError("invalid_data", f"an integer of {n} bytes")
                 self._push(int.from_bytes(read(n), "little", signed=True), self._next_mode())
             elif op == 0x47:  # BINFLOAT
                 self._push(struct.unpack(">d", read(8))[0], self._next_mode())
@@ -538,6 +540,10 @@ class SelectiveWalker:
                 mode = self.modes[-2] if len(self.modes) >= 2 else SKIP
                 fn, args = self._pop(2)
                 self._push(self._call(fn, args, mode), mode)
+            elif op == 0x92:  # NEWOBJ_EX: cls(*args, **kwargs), never needed for a metric
+                mode = self.modes[-3] if len(self.modes) >= 3 else SKIP
+                cls, _, _ = self._pop(3)
+                self._push(SKIP if mode is SKIP else Refused(f"an instance of {cls!r:.80}"), mode)
             elif op == 0x62:  # BUILD
                 state = self._pop(1)[0]
                 target = self._top()
