@@ -270,10 +270,12 @@ def _children(container: object, mode: Mode, key: object = None) -> Mode:
     return SKIP
 
 
+NO_HOOKS: frozenset[object] = frozenset()  # a tensor record's empty OrderedDict of backward hooks; never read
+
 STAND_INS: Mapping[tuple[str, str], Callable[..., object]] = {
     ("torch._utils", "_rebuild_tensor_v2"): rebuild_tensor,
     ("torch.storage", "_load_from_bytes"): decode_storage,
-    ("collections", "OrderedDict"): lambda *args: {} if not args else Refused("a non-empty collections.OrderedDict"),
+    ("collections", "OrderedDict"): lambda *args: NO_HOOKS if not args else Refused("a non-empty OrderedDict"),
 }
 
 
@@ -388,15 +390,19 @@ class SelectiveWalker:
         return items
 
     def _memoize(self, obj: object, mode: Mode) -> None:
+        """Remember what a later BINGET may need: names and scalars anywhere, and the containers of built regions.
+
+        A tensor record's pieces (its payload, storage, geometry tuples) are referenced only inside the record,
+        so they are not kept; a later reference to anything not kept becomes :class:`Refused` where it is built.
+        """
         index = self._memo_next
         self._memo_next += 1
-        if isinstance(obj, _Skipped | bytes | bytearray | DecodedStorage):
-            return  # payloads are consumed where they stand; a later reference to one is refused if needed
-        if mode is SKIP and not (
+        if not (
             obj is None
             or isinstance(obj, bool | int | float | Global)
             or (isinstance(obj, str) and len(obj) <= MAX_SHORT_STR)
             or callable(obj)
+            or (mode is not SKIP and isinstance(obj, dict | list | set))
         ):
             return
         if len(self.memo) >= self._max_memo:
