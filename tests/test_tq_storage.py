@@ -241,3 +241,17 @@ def test_hostile_shapes_are_refused_without_allocating(
         with pytest.raises(CheckpointError, match=message) as err:
             read_metric_values(tmp_path / "transfer_queue", "reward", [0])
     assert err.value.reason == reason
+
+
+def test_reading_runs_no_torch_transfer_queue_or_numpy(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    save_unit(unit_path(tmp_path), {"rm_scores": [torch.tensor([0.0, 2.0])]}, [0])
+    code = (
+        "import sys; from pathlib import Path; from tqmon.sources.tq_storage import read_metric_values; "
+        f"print(read_metric_values(Path({str(tmp_path / 'transfer_queue')!r}), 'reward', [0]).values[0], "
+        "sorted({m.split('.')[0] for m in sys.modules} & {'torch', 'transfer_queue', 'numpy', 'ray', 'tensordict'}))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60)
+    assert out.stdout.split() == ["2.0", "[]"]
