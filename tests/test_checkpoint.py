@@ -583,6 +583,18 @@ def test_inspect_predicts_filtered_groups_from_the_storage_units(saved: dict[str
     assert "filtered 7" in text and "under-submitted by 15" in text and "at least" not in text
 
 
+def test_inspect_reports_progress_walking_large_storage_units(
+    saved: dict[str, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    args = [str(saved["root"]), *CONFIG_FLAGS, "--filter-groups", "--filter-groups-metric", "reward"]
+    assert "reading su_0_" not in run_inspect(*args).stderr  # small: no bar
+    monkeypatch.setattr(ckpt, "LARGE_CHECKPOINT_BYTES", 0)
+    monkeypatch.setattr("tqmon.sources.tq_storage.LARGE_CHECKPOINT_BYTES", 0)
+    result = run_inspect(*args, "--json")
+    assert "reading su_0_" in result.stderr
+    assert json.loads(result.stdout)["dapo"]["zero_variance"] == 11  # the bars never reach stdout
+
+
 def test_inspect_names_a_missing_metric_as_verls_first_sample_error(saved: dict[str, Any]) -> None:
     args = [str(saved["root"]), *CONFIG_FLAGS, "--filter-groups", "--filter-groups-metric", "acc"]
     data = inspect_json(*args)

@@ -439,7 +439,7 @@ def read_checkpoint(
     reading = CheckpointReading(root, step, tq_dir, composition, user, storage_saved, st.st_mtime_ns, st.st_size)
     from tqmon.sources.tq_storage import with_filter_verdicts  # issue 12 §3 (that module imports this one)
 
-    return with_filter_verdicts(reading, state, filter_metric)  # issue 12 §3: DAPO needs the storage units
+    return with_filter_verdicts(reading, state, filter_metric, progress)  # issue 12 §3: DAPO reads storage units
 
 
 def _stat(path: Path) -> os.stat_result:

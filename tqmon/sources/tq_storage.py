@@ -25,12 +25,21 @@ import math
 import re
 import struct
 from collections.abc import Callable, Iterable, Mapping
+from contextlib import nullcontext
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, BinaryIO
 
+from tqmon.composition import Progress
 from tqmon.events import GroupCount, TrainerConfig
-from tqmon.sources.checkpoint import CheckpointError, CheckpointReading, RestrictedUnpickler, partition_tags
+from tqmon.sources.checkpoint import (
+    LARGE_CHECKPOINT_BYTES,
+    CheckpointError,
+    CheckpointReading,
+    ProgressFactory,
+    RestrictedUnpickler,
+    partition_tags,
+)
 from tqmon.warmup import WarmupConfig, is_stale, is_zero_variance
 
 STORAGE_DIR = "simple_storage"
@@ -288,8 +297,11 @@ class SelectiveWalker:
     that is needed. Objects always land where the opcodes put them: the modes decide only what is built.
     """
 
-    def __init__(self, handle: BinaryIO, spec: Select, *, max_memo: int = MAX_MEMO_ENTRIES) -> None:
+    def __init__(
+        self, handle: BinaryIO, spec: Select, *, max_memo: int = MAX_MEMO_ENTRIES, progress: Progress | None = None
+    ) -> None:
         self._handle = handle
+        self._progress = progress  # told the bytes taken from the file (read or seeked over)
         self._spec = spec
         self._max_memo = max_memo
         self._buf = b""
@@ -311,6 +323,8 @@ class SelectiveWalker:
             return data
         rest = self._buf[self._pos :]
         more = self._handle.read(max(CHUNK, n - len(rest)))
+        if self._progress is not None:
+            self._progress.update(len(more))
         self._buf, self._pos = rest + more, 0
         if len(self._buf) < n:
             raise CheckpointError("invalid_data", "truncated pickle (ended before its STOP opcode)")
@@ -322,6 +336,8 @@ class SelectiveWalker:
             self._pos += n
             return
         self._handle.seek(n - available, io.SEEK_CUR)
+        if self._progress is not None:
+            self._progress.update(n - available)
         self._buf, self._pos = b"", 0
 
     def _payload(self, n: int, mode: Mode) -> object:
@@ -662,15 +678,21 @@ def storage_unit_files(tq_dir: Path) -> list[Path]:
 
 
 def read_metric_values(
-    tq_dir: Path, metric: str, wanted: Iterable[int], *, max_bytes: int = MAX_STORAGE_BYTES
+    tq_dir: Path,
+    metric: str,
+    wanted: Iterable[int],
+    *,
+    max_bytes: int = MAX_STORAGE_BYTES,
+    progress: ProgressFactory | None = None,
 ) -> MetricValues:
     """The metric of the trajectories at the ``wanted`` global indexes, from every storage unit."""
     wanted_set = frozenset(wanted)
     files = storage_unit_files(tq_dir)
     try:
-        total = sum(path.stat().st_size for path in files)
+        sizes = {path: path.stat().st_size for path in files}
     except OSError as err:
         raise CheckpointError("read_error", f"{err.filename}: {err.strerror or err}") from None
+    total = sum(sizes.values())
     if total > max_bytes:
         raise CheckpointError("too_large", f"storage units of {tq_dir} hold {total} bytes, over the {max_bytes} cap")
     spec = metric_spec(metric, wanted_set)
@@ -679,8 +701,10 @@ def read_metric_values(
     missing: set[int] = set()
     for path in files:
         try:
-            with open(path, "rb") as handle:
-                root = SelectiveWalker(handle, spec).load()
+            large = progress is not None and sizes[path] >= LARGE_CHECKPOINT_BYTES  # the controller's threshold
+            bar = progress(f"reading {path.name}", sizes[path]) if progress is not None and large else nullcontext()
+            with open(path, "rb") as handle, bar as reported:
+                root = SelectiveWalker(handle, spec, progress=reported).load()
         except OSError as err:
             raise CheckpointError("read_error", f"{path}: {err.strerror or err}") from None
         except CheckpointError as err:
@@ -734,7 +758,14 @@ def train_keys(state: object) -> list[tuple[str, int, Mapping[str, Any]]]:
     return [(key, mapping[key], tag) for key, tag in tags.items()]
 
 
-def filter_verdicts(state: object, tq_dir: Path, metric: str, *, max_bytes: int = MAX_STORAGE_BYTES) -> FilterVerdicts:
+def filter_verdicts(
+    state: object,
+    tq_dir: Path,
+    metric: str,
+    *,
+    max_bytes: int = MAX_STORAGE_BYTES,
+    progress: ProgressFactory | None = None,
+) -> FilterVerdicts:
     """``ReplayBuffer._dapo_filtered_keys`` on the restored window, from the controller state and the storage units.
 
     Finished prompt keys are the groups; a trajectory belongs to ``key.split("_")[0]``; each group's values
@@ -758,7 +789,7 @@ def filter_verdicts(state: object, tq_dir: Path, metric: str, *, max_bytes: int 
         if group is not None:
             group.append(index)
     wanted = [index for indexes in members.values() for index in indexes]
-    read = read_metric_values(tq_dir, metric, wanted, max_bytes=max_bytes) if wanted else None
+    read = read_metric_values(tq_dir, metric, wanted, max_bytes=max_bytes, progress=progress) if wanted else None
     filtered: dict[int, int] = {}
     missing = 0
     for uid, indexes in members.items():
@@ -791,12 +822,14 @@ def dapo_update(groups: list[GroupCount], verdicts: FilterVerdicts | None) -> di
     return {"groups": with_verdicts(groups, verdicts), "filter_metric": verdicts.metric}
 
 
-def with_filter_verdicts(reading: CheckpointReading, state: object, metric: str | None) -> CheckpointReading:
+def with_filter_verdicts(
+    reading: CheckpointReading, state: object, metric: str | None, progress: ProgressFactory | None = None
+) -> CheckpointReading:
     """``reading`` with the DAPO verdicts of its storage units; a failure is kept on it, the composition stands."""
     if metric is None or reading.tq_dir is None:
         return reading
     try:
-        return replace(reading, filter_verdicts=filter_verdicts(state, reading.tq_dir, metric))
+        return replace(reading, filter_verdicts=filter_verdicts(state, reading.tq_dir, metric, progress=progress))
     except CheckpointError as err:
         return replace(reading, filter_error=err)
 
