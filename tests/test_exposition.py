@@ -20,6 +20,7 @@ from tqmon.exporters.prometheus import build_registry, render
 from tqmon.snapshot import (
     CheckpointView,
     Evidence,
+    OTLPView,
     ResumeRecord,
     RunInfo,
     Snapshot,
@@ -98,6 +99,7 @@ def full_snapshot(now: float = NOW) -> Snapshot:
             "tqmon_log_lines_total": {("event",): 12, ("ignored",): 30, ("malformed",): 1},
             "tqmon_source_errors_total": {("log", "malformed_line"): 1, ("tq", "timeout"): 3},
         },
+        otlp=OTLPView({"metrics": 3, "logs": 1}, 2),
     )
 
 

@@ -57,6 +57,7 @@ REJECT_REASONS = ("malformed_json", "invalid_event", "unknown_type", "too_large"
 SOURCE_ERROR_REASONS = ("read_error", "malformed_line", "timeout", "unavailable", "invalid_data")
 EVENT_OUTCOMES = ("applied", "duplicate")
 LOG_LINE_OUTCOMES = ("event", "ignored", "malformed")
+OTLP_SIGNALS = ("metrics", "logs")
 AGE_BUCKETS = (0.0, 1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0)
 
 PARTITION = Label("partition", PARTITIONS, "TransferQueue partition: `train` or `val`.")
@@ -330,6 +331,19 @@ CATALOG: tuple[MetricSpec, ...] = (
         "Trainer log lines read: turned into an event, ignored (other output), or malformed (skipped).",
         "",
         (Label("outcome", LOG_LINE_OUTCOMES, "What happened to the line."),),
+    ),
+    # OTLP push (only with --otlp-endpoint).
+    MetricSpec(
+        "tqmon_otlp_export_failures_total",
+        MetricType.COUNTER,
+        "OTLP exports that failed after the SDK's retries (Collector down, slow or answering an error), by signal.",
+        "",
+        (Label("signal", OTLP_SIGNALS, "OTLP signal: `metrics` or `logs`."),),
+    ),
+    MetricSpec(
+        "tqmon_otlp_log_records_dropped_total",
+        MetricType.COUNTER,
+        "Resume log records dropped undelivered because the bounded OTLP log queue was full.",
     ),
 )
 

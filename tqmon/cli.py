@@ -332,6 +332,18 @@ def main() -> None:
     help="Seconds of fast polling after a resume is detected (when the window matters most).",
     env="TQ_FAST_PERIOD",
 )
+@option(
+    "--otlp-endpoint",
+    default=None,
+    metavar="URL",
+    help="Also push the metrics and resume log records over OTLP/HTTP to URL/v1/metrics and URL/v1/logs "
+    "(needs the otel extra). Honours OTEL_EXPORTER_OTLP_ENDPOINT (this flag wins), "
+    "OTEL_EXPORTER_OTLP_METRICS_ENDPOINT and OTEL_EXPORTER_OTLP_LOGS_ENDPOINT (they win for their signal), "
+    "OTEL_EXPORTER_OTLP_HEADERS, OTEL_EXPORTER_OTLP_PROTOCOL (http/protobuf), OTEL_EXPORTER_OTLP_COMPRESSION, "
+    "OTEL_EXPORTER_OTLP_TIMEOUT (ms), OTEL_EXPORTER_OTLP_CERTIFICATE, OTEL_METRIC_EXPORT_INTERVAL (ms), "
+    "OTEL_RESOURCE_ATTRIBUTES, OTEL_SERVICE_NAME, and POD_NAME, POD_NAMESPACE (downward API). Default: off.",
+    env="OTLP_ENDPOINT",
+)
 @trainer_config_options
 def serve(
     listen: str,
@@ -351,6 +363,7 @@ def serve(
     tq_min_interval: float,
     tq_max_interval: float,
     tq_fast_period: float,
+    otlp_endpoint: str | None,
     trainer: TrainerFlags,
 ) -> None:
     """Serve /metrics, /api/v1/status and the trainer event API (POST /api/v1/events).
@@ -378,6 +391,7 @@ def serve(
         tq_budget=PollBudget(
             budget=tq_budget, min_interval=tq_min_interval, max_interval=tq_max_interval, fast_period=tq_fast_period
         ),
+        otlp_endpoint=otlp_endpoint or None,
     )
     serve_forever(config, log_level)
 

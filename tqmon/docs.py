@@ -6,6 +6,7 @@ import sys
 from pathlib import Path
 
 from tqmon.catalog import CATALOG, MetricSpec, MetricType
+from tqmon.exporters import otlp
 
 METRICS_DOC = Path(__file__).resolve().parent.parent / "docs" / "metrics.md"
 
@@ -38,7 +39,7 @@ def render() -> str:
     for spec in CATALOG:
         kind = spec.type.value + (" (0/1 gauge per state)" if spec.type is MetricType.STATESET else "")
         rows.append(f"| `{spec.name}` | {kind} | {spec.unit or '—'} | {_labels(spec)} | {spec.help} |")
-    return HEADER + "\n".join(rows) + "\n"
+    return HEADER + "\n".join(rows) + "\n" + otlp.docs()
 
 
 def main() -> int:

@@ -4,18 +4,24 @@ from __future__ import annotations
 
 import ipaddress
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry
 
 from tqmon.events import TrainerConfig
 from tqmon.exporters.prometheus import build_registry
+from tqmon.snapshot import Snapshot
 from tqmon.sources.checkpoint import CheckpointSource
 from tqmon.sources.logfile import LogSource, parse_jsonl
 from tqmon.sources.tq import PollBudget, PollerProcess, TQSource
 from tqmon.store import StateStore
 from tqmon.tracker import Tracker
+
+if TYPE_CHECKING:
+    from tqmon.exporters.otlp import OTLPExporter
 
 log = logging.getLogger(__name__)
 
@@ -51,6 +57,7 @@ class ServiceConfig:
     ray_address: str | None = None
     tq_timeout: float = 5.0
     tq_budget: PollBudget = field(default_factory=PollBudget)
+    otlp_endpoint: str | None = None  # OTLP push base URL; off when None
 
     def validate(self) -> None:
         if not is_loopback(self.host) and not self.token:
@@ -112,9 +119,13 @@ class Service:
             if config.ray_address
             else None
         )
-        self.registry: CollectorRegistry = build_registry(
-            lambda: self.tracker.snapshot, process_metrics=config.process_metrics
+        self.otlp = (
+            otlp_exporter(config.otlp_endpoint, lambda: self.tracker.snapshot, config.port)
+            if config.otlp_endpoint
+            else None
         )
+        current = self.otlp.current if self.otlp is not None else (lambda: self.tracker.snapshot)
+        self.registry: CollectorRegistry = build_registry(current, process_metrics=config.process_metrics)
 
     @property
     def sources(self) -> list[LogSource | CheckpointSource | TQSource]:
@@ -124,8 +135,24 @@ class Service:
     def start(self) -> None:
         for source in self.sources:
             source.start()
+        if self.otlp is not None:
+            self.otlp.start()
 
     def stop(self) -> None:
         for source in self.sources:
             source.stop()
+        if self.otlp is not None:
+            self.otlp.stop()  # after the sources: the final flush carries their last word
         self.store.close()
+
+
+def otlp_exporter(endpoint: str, source: Callable[[], Snapshot], port: int) -> OTLPExporter:
+    """Imported only when enabled, so the base install needs no OpenTelemetry; errors are one line."""
+    try:
+        from tqmon.exporters.otlp import OTLPConfigError, OTLPExporter
+    except ImportError as err:
+        raise ConfigError(str(err)) from None
+    try:
+        return OTLPExporter.from_environment(endpoint, source, port=port)
+    except OTLPConfigError as err:
+        raise ConfigError(str(err)) from None

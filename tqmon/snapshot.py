@@ -120,6 +120,14 @@ class CheckpointView:
 
 
 @dataclass(frozen=True, slots=True)
+class OTLPView:
+    """The OTLP push exporter's delivery record; only present while ``--otlp-endpoint`` is on."""
+
+    export_failures: Mapping[str, int]  # signal -> exports that failed after the SDK's retries
+    dropped_log_records: int  # resume log records dropped because the bounded queue was full
+
+
+@dataclass(frozen=True, slots=True)
 class Snapshot:
     built_at: float
     version: str
@@ -137,6 +145,7 @@ class Snapshot:
     tq: TQPollView | None
     sources: tuple[SourceHealth, ...]
     counters: Mapping[str, Mapping[tuple[str, ...], int]]  # catalog name -> label values -> value
+    otlp: OTLPView | None = None  # set by the OTLP exporter on the snapshot it and /metrics render
 
     def fresh_windows(self, now: float) -> tuple[WindowView, ...]:
         """Windows observed within ``stale_after``: frozen data is never served as fresh."""

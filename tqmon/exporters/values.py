@@ -8,7 +8,7 @@ from __future__ import annotations
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 
-from tqmon.catalog import BY_NAME, MetricSpec, MetricType
+from tqmon.catalog import BY_NAME, OTLP_SIGNALS, MetricSpec, MetricType
 from tqmon.snapshot import Snapshot
 from tqmon.warmup import PROMPT_STATUSES
 
@@ -133,6 +133,15 @@ def metric_values(snapshot: Snapshot, now: float) -> Iterator[tuple[MetricSpec, 
             values[spec.name] = _counter(spec, snapshot, sources)
     if "log" not in sources:
         values.pop("tqmon_log_lines_total", None)
+    if snapshot.otlp is None:  # OTLP push is off
+        values.pop("tqmon_otlp_export_failures_total", None)
+    else:
+        values |= {
+            "tqmon_otlp_export_failures_total": [
+                Series((s,), snapshot.otlp.export_failures.get(s, 0)) for s in OTLP_SIGNALS
+            ],
+            "tqmon_otlp_log_records_dropped_total": [Series((), snapshot.otlp.dropped_log_records)],
+        }
 
     for spec in BY_NAME.values():
         series = values.get(spec.name)
