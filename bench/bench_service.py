@@ -462,7 +462,7 @@ def bench_otlp_scrapes(tmp: Path) -> str:
     rows.append(["on / off", f"{ratio_median:.2f}x", f"{ratio_p95:.2f}x"])
     return table(
         f"GET /metrics with OTLP push on and off ({HISTORY:,} stored resumes each, {OTLP_SCRAPES:,} scrapes each, "
-        f"taking turns; {pushes} pushes every {OTLP_BENCH_INTERVAL_MS} ms landed during the {elapsed:.1f} s of scrapes; "
+        f"taking turns; {pushes} pushes every {OTLP_BENCH_INTERVAL_MS} ms landed in the {elapsed:.1f} s of scrapes; "
         "target p95 on <= 1.1x off)",
         ["tqmon", "median ms", "p95 ms"],
         rows,
