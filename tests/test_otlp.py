@@ -6,6 +6,7 @@ snapshot is rendered both ways in process.
 
 from __future__ import annotations
 
+import os
 import re
 import signal
 import subprocess
@@ -13,12 +14,14 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 from opentelemetry.proto.logs.v1.logs_pb2 import SeverityNumber
+from prometheus_client.exposition import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.conftest import TqmonProcess, free_port
@@ -37,7 +40,6 @@ from tqmon.exporters.otlp import (
     settings,
 )
 from tqmon.exporters.prometheus import build_registry
-from tqmon.snapshot import Snapshot
 from tqmon.warmup import WarmupState
 
 INTERVAL_MS = "200"
@@ -173,10 +175,8 @@ def test_one_snapshot_pushed_and_scraped_gives_the_same_series(receiver: OTLPRec
     exporter = OTLPExporter(settings(receiver.url, {}), lambda: snapshot, base_resource(9842, {}), clock=lambda: NOW)
     try:
         assert exporter.export_metrics()
-        text = build_registry(exporter.current, process_metrics=False, clock=lambda: NOW)
-        from prometheus_client.exposition import generate_latest
-
-        scraped = exposition_series(generate_latest(text).decode())
+        registry = build_registry(exporter.current, process_metrics=False, clock=lambda: NOW)
+        scraped = exposition_series(generate_latest(registry).decode())
         (received,) = receiver.requests("/v1/metrics")
         pushed = otlp_series(received.request)
     finally:
@@ -251,7 +251,7 @@ def test_serve_refuses_a_malformed_header_at_start_with_one_line(tmp_path: Path)
     command = [sys.executable, "-m", "tqmon.cli", "serve", "--state-dir", str(tmp_path), "--listen", "127.0.0.1:1"]
     result = subprocess.run(
         [*command, "--otlp-endpoint", "http://127.0.0.1:4318"],
-        env={**dict(__import__("os").environ), "OTEL_EXPORTER_OTLP_HEADERS": "api-key"},
+        env={**os.environ, "OTEL_EXPORTER_OTLP_HEADERS": "api-key"},
         capture_output=True,
         text=True,
         timeout=60,
@@ -485,8 +485,6 @@ def test_metrics_threads_do_not_share_state_with_scrapes(receiver: OTLPReceiver)
     snapshots = [full_snapshot()]
     exporter = OTLPExporter(settings(receiver.url, {}), lambda: snapshots[-1], base_resource(1, {}), clock=lambda: NOW)
     registry = build_registry(exporter.current, process_metrics=False, clock=lambda: NOW)
-    from prometheus_client.exposition import generate_latest
-
     stop = threading.Event()
 
     def push() -> None:
@@ -497,7 +495,7 @@ def test_metrics_threads_do_not_share_state_with_scrapes(receiver: OTLPReceiver)
     pusher.start()
     try:
         for step in range(30):
-            snapshots.append(_with_step(snapshots[-1], 100 + step))
+            snapshots.append(replace(snapshots[-1], trainer_step=100 + step))
             text = generate_latest(registry).decode()
             assert f"tqmon_trainer_global_step {100 + step}.0" in text
     finally:
@@ -511,20 +509,12 @@ def test_metrics_threads_do_not_share_state_with_scrapes(receiver: OTLPReceiver)
     assert pushed and all(len(values) == 1 and values[0] in {43.0, *map(float, range(100, 130))} for values in pushed)
 
 
-def _with_step(snapshot: Snapshot, step: int) -> Snapshot:
-    from dataclasses import replace
-
-    return replace(snapshot, trainer_step=step)
-
-
 def test_log_records_follow_a_start_through_both_phases_once(receiver: OTLPReceiver) -> None:
     """The log thread's view in process: decided, then first step, each once; a new start starts over."""
     snapshot = full_snapshot()
     record = snapshot.last_record
     assert record is not None
     exporter = OTLPExporter(settings(receiver.url, {}), lambda: snapshot, base_resource(1, {}), clock=lambda: NOW)
-    from dataclasses import replace
-
     undecided = replace(record, first_step_evictions=None, warmup_state=WarmupState.UNKNOWN)
     exporter.watch(replace(snapshot, last_record=undecided))
     assert exporter.export_logs() and receiver.log_records() == []

@@ -85,6 +85,11 @@ class Service:
     def __init__(self, config: ServiceConfig) -> None:
         config.validate()
         self.config = config
+        self.otlp = (
+            otlp_exporter(config.otlp_endpoint, lambda: self.tracker.snapshot, config.port)
+            if config.otlp_endpoint
+            else None  # refused here, before any state is touched
+        )
         self.token = config.token
         self.max_body_bytes = config.max_body_bytes
         self.store = StateStore(config.state_dir)
@@ -117,11 +122,6 @@ class Service:
         self.tq_source = (
             TQSource(self.tracker, PollerProcess(config.ray_address, config.tq_timeout), config.tq_budget)
             if config.ray_address
-            else None
-        )
-        self.otlp = (
-            otlp_exporter(config.otlp_endpoint, lambda: self.tracker.snapshot, config.port)
-            if config.otlp_endpoint
             else None
         )
         current = self.otlp.current if self.otlp is not None else (lambda: self.tracker.snapshot)
