@@ -31,6 +31,7 @@ from tqmon import __version__, docs
 from tqmon.catalog import CATALOG, MetricType
 from tqmon.exporters.otlp import (
     ENV_VARS,
+    LOG_QUEUE_MAX,
     RESUME_ATTRIBUTES,
     OTLPConfigError,
     OTLPExporter,
@@ -441,8 +442,9 @@ def test_a_collector_down_then_back(
     assert rss_kib(tqmon.proc.pid) - rss_down < 10_000, "RSS grew by more than 10 MB while the Collector was down"
 
     receiver.mode = "error"
+    answered = receiver.attempts
     receiver.start()
-    receiver.wait_for(lambda: receiver.attempts >= 2, what="requests answered with 500")
+    receiver.wait_for(lambda: receiver.attempts >= answered + 2, what="requests answered with 500")
     receiver.mode = "ok"
     records = receiver.wait_for(
         lambda: [r for _, r in receiver.log_records() if attributes(r.attributes).get("tqmon.resume.index") == 1],
@@ -530,3 +532,20 @@ def test_log_records_follow_a_start_through_both_phases_once(receiver: OTLPRecei
         for _, r in receiver.log_records()
     ]
     assert seen == [(1, "decided"), (1, "first_step"), (2, "decided")]
+
+
+def test_the_log_queue_is_bounded_and_counts_what_it_drops(receiver: OTLPReceiver) -> None:
+    """A Collector away for longer than LOG_QUEUE_MAX resume decisions: the oldest go, counted."""
+    snapshot = full_snapshot()
+    record = snapshot.last_record
+    assert record is not None
+    exporter = OTLPExporter(settings(receiver.url, {}), lambda: snapshot, base_resource(1, {}), clock=lambda: NOW)
+    decided_only = replace(record, first_step_evictions=None)
+    for index in range(LOG_QUEUE_MAX + 6):
+        exporter.watch(replace(snapshot, last_record=replace(decided_only, index=index)))
+    view = exporter.current().otlp
+    assert view is not None and view.dropped_log_records == 6
+    assert exporter.export_logs()
+    indexes = [attributes(r.attributes)["tqmon.resume.index"] for _, r in receiver.log_records()]
+    assert indexes == list(range(6, LOG_QUEUE_MAX + 6))
+    exporter.stop()

@@ -605,7 +605,9 @@ labels, with the same values.
 
 Each resume record becomes an OTel log record (`event_name` `tqmon.resume`) when its warmup is decided and
 again when its first step lands: severity INFO when the verdict is `ok`, WARN otherwise; the body is the
-verdict in words. A restarted tqmon sends the last record's phases again (at least once).
+verdict in words. Only the last start is watched: a log read from its beginning gives records for its last
+start, not one per start in its history (`tqmon analyze` lists those). A restarted tqmon sends the last
+start's phases again (at least once).
 
 | attribute | meaning |
 | --- | --- |
