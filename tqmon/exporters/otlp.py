@@ -334,8 +334,12 @@ def run_attributes(run: RunInfo | None) -> dict[str, str]:
     """The run's identity, once a source has told it."""
     if run is None:
         return {}
-    pairs = (("tqmon.run.id", run.run_id), ("tqmon.run.trainer_mode", run.trainer_mode))
-    return {key: value for key, value in (*pairs, ("tqmon.run.verl_version", run.verl_version)) if value}
+    identity = {
+        "tqmon.run.id": run.run_id,
+        "tqmon.run.trainer_mode": run.trainer_mode,
+        "tqmon.run.verl_version": run.verl_version,
+    }
+    return {key: value for key, value in identity.items() if value}
 
 
 # ---------------------------------------------------------------- the exporter
@@ -373,7 +377,8 @@ class OTLPExporter:
             timeout=config.logs.timeout,
             compression=COMPRESSIONS[config.logs.compression],
         )
-        # Collection is driven by this exporter's own thread: it pins one snapshot per export.
+        # Collection is driven by this exporter's own thread: it pins one snapshot per export. The temporality
+        # is the exporter's (OTEL_EXPORTER_OTLP_METRICS_TEMPORALITY_PREFERENCE), as PeriodicExportingMetricReader does.
         self._reader = InMemoryMetricReader(preferred_temporality=self._metric_exporter._preferred_temporality)
         self._provider = MeterProvider(metric_readers=[self._reader], resource=resource, shutdown_on_exit=False)
         self._collect_lock = threading.Lock()
