@@ -32,7 +32,7 @@ import httpx
 
 from tqmon.events import parse_event
 from tqmon.exporters.otlp import OTLPExporter, base_resource, settings
-from tqmon.snapshot import Snapshot
+from tqmon.snapshot import Snapshot, Tally
 from tqmon.sources.logfile import LogSource, ingest_file
 from tqmon.store import StateStore
 from tqmon.tracker import Tracker
@@ -333,7 +333,7 @@ def bench_log(tmp: Path) -> str:
     outcomes: dict[tuple[str, ...], int] = {}
     while sum(outcomes.values()) < lines and time.perf_counter() - started < START_TIMEOUT:
         time.sleep(0.005)
-        outcomes = dict(tracker.snapshot.counters["tqmon_log_lines_total"])
+        outcomes = dict(tracker.snapshot.counters[Tally.LOG_LINES])
     elapsed = time.perf_counter() - started
     source.stop()
     if sum(outcomes.values()) != lines:
@@ -346,7 +346,7 @@ def bench_log(tmp: Path) -> str:
     started = time.perf_counter()
     ingest_file(str(path), tracker)
     elapsed = time.perf_counter() - started
-    events = tracker.snapshot.counters["tqmon_log_lines_total"].get(("event",), 0)
+    events = tracker.snapshot.counters[Tally.LOG_LINES].get(("event",), 0)
     rows.append(["ingest_file (analyze)", f"{lines:,}", f"{events:,}", f"{elapsed:.2f}", f"{lines / elapsed:,.0f}"])
     return table(
         f"Log tailing ({size_mb:.1f} MB generated verl-like log, cold start at offset 0)",

@@ -51,7 +51,8 @@ def write(tmp_path: Path, text: str) -> Path:
 def test_reads_the_knobs_and_resolves_interpolations(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("TQMON_TEST_BATCH", "12")
     path = write(tmp_path, HYDRA)
-    mode, config = load_trainer_config(path)
+    given = load_trainer_config(path)
+    mode, config = given.trainer_mode, given.config
     assert mode == "separate_async"
     assert config.train_batch_size == 12  # from the environment, as the trainer saw it
     assert config.num_warmup_batches == 2.5  # the mode's own knob, not colocate_async's

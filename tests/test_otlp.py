@@ -24,10 +24,11 @@ from opentelemetry.proto.logs.v1.logs_pb2 import SeverityNumber
 from prometheus_client.exposition import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
+from mixin import docs
 from tests.conftest import TqmonProcess, free_port
 from tests.otlp_receiver import Labels, OTLPReceiver, attributes, points
 from tests.test_exposition import NOW, full_snapshot
-from tqmon import __version__, docs
+from tqmon import __version__
 from tqmon.catalog import CATALOG, MetricType
 from tqmon.exporters.otlp import (
     ENV_VARS,

@@ -2,11 +2,31 @@
 
 from __future__ import annotations
 
+import enum
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from typing import Any
 
 from tqmon.warmup import WarmupState
+
+
+class SourceName(enum.StrEnum):
+    """Every source tqmon has; the values of the ``source`` label. A new source adds its name here."""
+
+    TQ = "tq"
+    CHECKPOINT = "checkpoint"
+    LOG = "log"
+    JSONL = "jsonl"
+    EVENTS = "events"
+
+
+class Tally(enum.StrEnum):
+    """What the tracker counts (label values in the comments); the exporters name the metric of each."""
+
+    EVENTS = "events"  # (source, applied | duplicate)
+    EVENTS_REJECTED = "events_rejected"  # (reason,): an event API request turned away
+    LOG_LINES = "log_lines"  # (event | ignored | malformed,): trainer log lines read
+    SOURCE_ERRORS = "source_errors"  # (source, reason)
 
 
 @dataclass(frozen=True, slots=True)
@@ -144,7 +164,8 @@ class Snapshot:
     checkpoint: CheckpointView | None
     tq: TQPollView | None
     sources: tuple[SourceHealth, ...]
-    counters: Mapping[str, Mapping[tuple[str, ...], int]]  # catalog name -> label values -> value
+    counters: Mapping[Tally, Mapping[tuple[str, ...], int]]  # label values -> value
+    records: tuple[ResumeRecord, ...] = ()  # every start, oldest first (records_total of them)
     otlp: OTLPView | None = None  # set by the OTLP exporter on the snapshot it and /metrics render
 
     def fresh_windows(self, now: float) -> tuple[WindowView, ...]:
