@@ -523,10 +523,16 @@ def test_broken_checkpoint_fails_the_source_cleanly(root: Path, breakage: str, r
     assert snap.checkpoint is None and snap.counters[Tally.EVENTS] == {}
 
 
-def test_missing_checkpoint_dir_is_unavailable_until_the_first_save(tmp_path: Path) -> None:
-    tracker = Tracker(StateStore(None))
+def test_no_checkpoint_yet_is_a_state_not_a_failure(tmp_path: Path) -> None:
+    lines: list[str] = []
+    tracker = Tracker(StateStore(None), announce=lines.append)
     CheckpointSource(tmp_path / "nothing-yet", tracker).poll()
-    assert tracker.snapshot.counters[Tally.SOURCE_ERRORS] == {("checkpoint", "unavailable"): 1}
+    health = next(s for s in tracker.snapshot.sources if s.source == "checkpoint")
+    assert health.ok and health.last_error is None and tracker.snapshot.counters[Tally.SOURCE_ERRORS] == {}
+    latest = tmp_path / "nothing-yet" / "latest_checkpointed_iteration.txt"
+    assert lines == [
+        f"checkpoint: no checkpoint saved yet: {latest} does not exist ({latest.parent} does not exist yet): waiting"
+    ]
 
 
 def test_serve_keeps_serving_with_a_hostile_checkpoint(root: Path, tmp_path: Path, tqmon_factory: Any) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ipaddress
 import logging
+import sqlite3
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -40,6 +41,10 @@ def is_loopback(host: str) -> bool:
 
 class ConfigError(ValueError):
     """A setting that cannot work; the message says which and why."""
+
+
+class StartupError(RuntimeError):
+    """The machine refuses a valid setting (a port in use, an unknown host, a state dir tqmon cannot create)."""
 
 
 def _setting(default: Any, help: str, *, metavar: str | None = None) -> Any:
@@ -112,8 +117,10 @@ class ServiceConfig:
     def address(self) -> tuple[str, int]:
         """``--listen`` as (host, port); ``HOST:PORT`` or ``[IPv6]:PORT``."""
         host, sep, port = self.listen.rpartition(":")
-        if not sep or not port.isdigit() or not 0 < int(port) < 65536 or not host:
+        if not sep or not port.isdigit() or not host:
             raise ConfigError(f"--listen: expected HOST:PORT (e.g. {LISTEN_DEFAULT}), got {self.listen!r}")
+        if not 0 < int(port) < 65536:
+            raise ConfigError(f"--listen: port out of range (1-65535): {port} in {self.listen!r}")
         return host.strip("[]"), int(port)
 
     @property
@@ -131,6 +138,9 @@ class ServiceConfig:
                 f"listening on {host} (not loopback) requires --token / TQMON_TOKEN: "
                 "the event API would otherwise accept anyone's events"
             )
+        for flag, path in (("--state-dir", self.state_dir), ("--checkpoint-dir", self.checkpoint_dir)):
+            if path is not None and path.exists() and not path.is_dir():
+                raise ConfigError(f"{flag} {path} is a file, not a directory")
         if self.stale_after <= 0:
             raise ConfigError(f"--stale-after must be positive, got {self.stale_after}")
         if self.log_interval <= 0:
@@ -148,7 +158,8 @@ class ServiceConfig:
 class Service:
     """Sources feed the tracker; the registry renders the tracker's snapshot."""
 
-    def __init__(self, config: ServiceConfig) -> None:
+    def __init__(self, config: ServiceConfig, announce: Callable[[str], None] | None = None) -> None:
+        """``announce`` receives each source's state line when it changes (see :class:`Tracker`)."""
         config.validate()
         self.config = config
         self.otlp = (
@@ -158,8 +169,12 @@ class Service:
         )
         self.token = config.token or None
         self.max_body_bytes = config.max_body_bytes
-        self.store = StateStore(config.state_dir)
-        self.tracker = Tracker(self.store, stale_after=config.stale_after, given=config.trainer)
+        try:
+            self.store = StateStore(config.state_dir)
+        except (OSError, sqlite3.Error) as err:
+            detail = err.strerror if isinstance(err, OSError) and err.strerror else str(err)
+            raise StartupError(f"--state-dir {config.state_dir}: unusable: {detail}") from None
+        self.tracker = Tracker(self.store, stale_after=config.stale_after, given=config.trainer, announce=announce)
         replayed = self.tracker.replay()
         if replayed:
             log.info("restored %d events from %s", replayed, self.store.path)

@@ -26,6 +26,7 @@ from tqmon.events import CheckpointSaved
 
 LATEST_FILE = "latest_checkpointed_iteration.txt"
 STEP_DIR = "global_step_{}"
+STEP_PATTERN = re.compile(r"global_step_(\d+)")
 TQ_DIR = "transfer_queue"
 METADATA_FILE = "metadata.json"
 CONTROLLER_FILE = "controller_state.pkl"
@@ -123,15 +124,18 @@ class CheckpointReading:
         )
 
 
+class NoCheckpointYet(CheckpointError):
+    """No ``latest_checkpointed_iteration.txt``: verl has saved nothing there yet (a state, not a failure)."""
+
+
 def latest_step(root: Path) -> int:
     """N from ``latest_checkpointed_iteration.txt``, parsed like verl's ``find_latest_ckpt_path``."""
     path = root / LATEST_FILE
     try:
         raw = path.read_bytes()
     except FileNotFoundError:
-        if not root.is_dir():
-            raise CheckpointError("unavailable", f"checkpoint dir {root} does not exist") from None
-        raise CheckpointError("unavailable", f"{path} does not exist: no checkpoint saved yet") from None
+        yet = "" if root.is_dir() else f" ({root} does not exist yet)"
+        raise NoCheckpointYet("unavailable", f"no checkpoint saved yet: {path} does not exist{yet}") from None
     except OSError as err:
         raise CheckpointError("read_error", f"{path}: {err.strerror or err}") from None
     try:
@@ -143,10 +147,17 @@ def latest_step(root: Path) -> int:
     return step
 
 
-def step_dirs(root: Path, step: int) -> tuple[Path, Path | None]:
-    """``global_step_N`` and the TQ dir a resume loads (TQ rolls back to ``transfer_queue.old`` after a crash)."""
+def step_dirs(root: Path, step: int, *, chosen: bool = False) -> tuple[Path, Path | None]:
+    """``global_step_N`` and the TQ dir a resume loads (TQ rolls back to ``transfer_queue.old`` after a crash).
+
+    ``chosen``: the user asked for step N (``inspect --step``), the latest file did not name it."""
     step_dir = root / STEP_DIR.format(step)
     if not step_dir.is_dir():
+        if chosen:
+            saved = ", ".join(map(str, saved_steps(root))) or "none"
+            raise CheckpointError(
+                "read_error", f"step {step} was asked for, but {step_dir} does not exist (saved: {saved})"
+            )
         raise CheckpointError(
             "read_error", f"{root / LATEST_FILE} says {step}, but {step_dir} does not exist (verl would start fresh)"
         )
@@ -215,9 +226,10 @@ def read_checkpoint(
     ``progress`` is called for the read and the classification of a checkpoint of at least
     :data:`LARGE_CHECKPOINT_BYTES`.
     """
+    chosen = step is not None
     if step is None:
         step = latest_step(root)
-    step_dir, tq_dir = step_dirs(root, step)
+    step_dir, tq_dir = step_dirs(root, step, chosen=chosen)
     if tq_dir is None:
         # verl restores TQ only if global_step_N/transfer_queue exists (it never does in sync mode).
         saved_at = _stat(step_dir).st_mtime_ns
@@ -255,6 +267,40 @@ def _stat(path: Path) -> os.stat_result:
         raise CheckpointError("read_error", f"{path}: {err.strerror or err}") from None
 
 
+def checkpoint_dirs_below(path: Path, depth: int = 3, limit: int = 5) -> list[Path]:
+    """Dirs under ``path`` (at most ``depth`` levels) that hold a ``latest_checkpointed_iteration.txt``:
+    what the user probably meant by a run dir (verl's default is ``checkpoints/<project>/<experiment>``).
+
+    Does not descend into ``global_step_N`` dirs (big, and never nested checkpoint roots)."""
+    found: list[Path] = []
+    level = [path]
+    for _ in range(depth):
+        below: list[Path] = []
+        for parent in level:
+            try:
+                children = sorted(e.path for e in os.scandir(parent) if e.is_dir() and not e.name.startswith("."))
+            except OSError:
+                continue
+            for child in map(Path, children):
+                if (child / LATEST_FILE).is_file():
+                    found.append(child)
+                elif not STEP_PATTERN.fullmatch(child.name):
+                    below.append(child)
+        if len(found) >= limit:
+            break
+        level = below
+    return found[:limit]
+
+
+def saved_steps(root: Path) -> list[int]:
+    """N of every ``global_step_N`` dir in ``root``, ascending."""
+    try:
+        names = [entry.name for entry in os.scandir(root) if entry.is_dir()]
+    except OSError:
+        return []
+    return sorted(int(match[1]) for name in names if (match := STEP_PATTERN.fullmatch(name)))
+
+
 def resolve(path: Path) -> tuple[Path, int | None]:
     """The checkpoint root and step for ``tqmon inspect``'s argument.
 
@@ -262,7 +308,7 @@ def resolve(path: Path) -> tuple[Path, int | None]:
     """
     if path.name in (TQ_DIR, TQ_DIR + ".old"):
         path = path.parent
-    match = re.fullmatch(r"global_step_(\d+)", path.name)
+    match = STEP_PATTERN.fullmatch(path.name)
     if match is not None and not (path / LATEST_FILE).exists():
         return path.parent, int(match[1])
     return path, None

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
-from tqmon.checkpoint.layout import STEP_DIR, TQ_DIR, CheckpointReading
+from tqmon.checkpoint.layout import LATEST_FILE, STEP_DIR, TQ_DIR, CheckpointReading
 from tqmon.reconcile import predict_resume
 from tqmon.snapshot import ResumeRecord
 from tqmon.warmup import DOOM_REASONS, WarmupConfig, WarmupState
@@ -24,6 +24,22 @@ class Preflight:
     reading: CheckpointReading
     config: WarmupConfig | None
     record: ResumeRecord
+    chosen_by: str | None = None  # how the user picked the step ("--step 6"); None: verl's latest
+    latest: int | None = None  # the step latest_checkpointed_iteration.txt names, when the user chose another way
+
+    @property
+    def step_phrase(self) -> str:
+        """ "step N", saying whose choice N is when it is not verl's latest."""
+        step = self.reading.step
+        if self.chosen_by is None:
+            return f"step {step}"
+        if self.latest is None:
+            latest = f"there is no {LATEST_FILE}"
+        elif self.latest == step:
+            latest = f"{LATEST_FILE} also says {step}"
+        else:
+            latest = f"{LATEST_FILE} says {self.latest}: verl would resume from step {self.latest}"
+        return f"step {step} (chosen with {self.chosen_by}; {latest})"
 
     @property
     def restored(self) -> int:
@@ -81,8 +97,9 @@ class Preflight:
     def notes(self) -> tuple[str, ...]:
         if self.config is None:
             return (
-                "T, M, O and the under-submission need the trainer config: "
-                "--train-batch-size and --num-warmup-batches (stale and filtered also need it)",
+                "T, M, O and the under-submission need the trainer config: --trainer-config "
+                "<run dir>/.hydra/config.yaml, or --train-batch-size and --num-warmup-batches "
+                "(stale and filtered also need it)",
             )
         if self.warmup_state is WarmupState.SYNC_MODE:
             return ("sync mode: verl neither restores nor re-issues TransferQueue state; nothing of it comes back",)
@@ -95,6 +112,8 @@ class Preflight:
         return {
             "checkpoint_dir": str(self.reading.root),
             "step": self.reading.step,
+            "step_chosen_by": self.chosen_by,
+            "latest_step": self.latest if self.chosen_by is not None else self.reading.step,
             "path": None if self.reading.tq_dir is None else str(self.reading.tq_dir),
             "sample_step": self.sample_step,
             "restored": self.restored,
@@ -121,11 +140,15 @@ class Preflight:
         }
 
 
-def preflight(reading: CheckpointReading, config: WarmupConfig | None) -> Preflight:
-    """Predict the resume from ``reading``: R, K, doomed, and with the config T, M, O and the deficit."""
+def preflight(
+    reading: CheckpointReading, config: WarmupConfig | None, *, chosen_by: str | None = None, latest: int | None = None
+) -> Preflight:
+    """Predict the resume from ``reading``: R, K, doomed, and with the config T, M, O and the deficit.
+
+    ``chosen_by`` says the user picked the step (and ``latest`` what verl would pick instead)."""
     composition = reading.composition
     record = predict_resume(reading.to_event(), composition.reissued, composition.inflight_trajectories, config)
-    return Preflight(reading, config, record)
+    return Preflight(reading, config, record, chosen_by, latest)
 
 
 def render(result: Preflight) -> str:
@@ -135,12 +158,12 @@ def render(result: Preflight) -> str:
     finished_doom = [f"{result.doomed[r]} {r}" for r in ("stale", "filtered") if result.doomed.get(r)]
     finished = f"{statuses['finished']} finished" + (f" ({', '.join(finished_doom)})" if finished_doom else "")
     head = (
-        f"resuming from step {reading.step} will restore {result.restored} prompt groups: "
+        f"resuming from {result.step_phrase} will restore {result.restored} prompt groups: "
         f"{statuses['pending']} pending, {statuses['running']} running, {finished}, {statuses['failure']} failed"
     )
     if result.warmup_state is WarmupState.SYNC_MODE:
         head = (
-            f"resuming from step {reading.step} in sync mode restores no TransferQueue state "
+            f"resuming from {result.step_phrase} in sync mode restores no TransferQueue state "
             f"(the checkpoint holds {c.restored} prompt groups); sync mode has no warmup"
         )
     elif result.target is not None and result.submitted is not None and result.useful is not None:

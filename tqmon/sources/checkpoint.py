@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from tqmon.checkpoint.layout import read_checkpoint, signature
+from tqmon.checkpoint.layout import NoCheckpointYet, read_checkpoint, signature
 from tqmon.checkpoint.unpickler import CheckpointError
 from tqmon.snapshot import SourceName
 from tqmon.sources.polling import PollingLoop
@@ -24,7 +24,7 @@ class CheckpointSource:
         self._seen: tuple[object, ...] | None = None  # signature of the last read
         self._error: CheckpointError | None = None  # its error, re-reported until the files change
         self._loop = PollingLoop(self.name, tracker, self.poll, interval)
-        tracker.register_source(self.name, stale_after=max(30.0, 10 * interval))
+        tracker.register_source(self.name, stale_after=max(30.0, 10 * interval), watching=str(checkpoint_dir))
 
     def start(self) -> None:
         self._loop.start()
@@ -33,7 +33,8 @@ class CheckpointSource:
         self._loop.stop()
 
     def poll(self) -> float:
-        """One look at the checkpoint dir; a checkpoint it cannot read is this source's failure."""
+        """One look at the checkpoint dir; a checkpoint it cannot read is this source's failure, no checkpoint
+        yet is not."""
         started = time.monotonic()
         current = signature(self.checkpoint_dir)
         if current != self._seen:
@@ -46,7 +47,9 @@ class CheckpointSource:
                 self.tracker.ingest([reading.to_event()], self.name)
             self._seen = current
         duration = time.monotonic() - started
-        if self._error is not None:
+        if isinstance(self._error, NoCheckpointYet):  # a fresh run: up, with nothing to predict yet
+            self.tracker.source_succeeded(self.name, duration, state=f"{self._error}: waiting")
+        elif self._error is not None:
             self.tracker.source_failed(self.name, self._error.reason, str(self._error), duration=duration)
         else:
             self.tracker.source_succeeded(self.name, duration)
