@@ -43,7 +43,7 @@ RESPONSE_LEN = 32  # tokens per response, +0..6 so that rows are ragged
 READ = """
 import json, re, sys, time
 from pathlib import Path
-from tqmon.sources.checkpoint import read_checkpoint
+from tqmon.checkpoint.layout import read_checkpoint
 started = time.perf_counter()
 reading = read_checkpoint(Path(sys.argv[1]), filter_metric=sys.argv[2] or None)
 seconds = time.perf_counter() - started

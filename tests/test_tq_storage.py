@@ -21,18 +21,19 @@ import pytest
 import torch
 from transfer_queue.storage.simple_storage import StorageUnitData
 
-from tqmon.events import CheckpointSaved, GroupCount
-from tqmon.sources.checkpoint import CheckpointError
-from tqmon.sources.tq_storage import (
+from tqmon.checkpoint.storage import (
     KEEP,
     SKIP,
     FilterVerdicts,
     Select,
     SelectiveWalker,
     read_metric_values,
+    round_to,
     with_verdicts,
 )
-from tqmon.tracker import checkpoint_doomed
+from tqmon.checkpoint.unpickler import CheckpointError
+from tqmon.events import CheckpointSaved, GroupCount
+from tqmon.reconcile import checkpoint_doomed
 from tqmon.warmup import WarmupConfig, is_zero_variance, known_doomed, pairwise_sum
 
 
@@ -190,7 +191,13 @@ def test_verdicts_split_the_composition_and_decide_filtered() -> None:
     ]
     verdicts = FilterVerdicts("acc", {9: 2}, finished=3, missing=0, trajectories=9, storage_bytes=1)
     assert [(g.count, g.filtered) for g in with_verdicts(groups, verdicts)] == [(1, False), (2, True), (1, False)]
-    config = WarmupConfig("colocate_async", 4, 2, filter_groups=True, filter_groups_metric="acc")
+    config = WarmupConfig(
+        trainer_mode="colocate_async",
+        train_batch_size=4,
+        num_warmup_batches=2,
+        filter_groups=True,
+        filter_groups_metric="acc",
+    )
     event = CheckpointSaved(id="c", time="2026-01-01T00:00:00Z", step=10, groups=groups)
     assert checkpoint_doomed(event, config) == {"failure": 1, "stale": 0}  # no verdicts: filtered unknown
     decided = event.model_copy(update={"filter_metric": "acc"})
@@ -200,8 +207,6 @@ def test_verdicts_split_the_composition_and_decide_filtered() -> None:
 
 
 def test_bfloat16_rounding_matches_torch() -> None:
-    from tqmon.sources.tq_storage import round_to
-
     rng = random.Random(3)
     for _ in range(2000):
         value = rng.uniform(-1e4, 1e4) if rng.random() < 0.8 else struct.unpack("<f", rng.randbytes(4))[0]
@@ -249,7 +254,7 @@ def test_reading_runs_no_torch_transfer_queue_or_numpy(tmp_path: Path) -> None:
 
     save_unit(unit_path(tmp_path), {"rm_scores": [torch.tensor([0.0, 2.0])]}, [0])
     code = (
-        "import sys; from pathlib import Path; from tqmon.sources.tq_storage import read_metric_values; "
+        "import sys; from pathlib import Path; from tqmon.checkpoint.storage import read_metric_values; "
         f"print(read_metric_values(Path({str(tmp_path / 'transfer_queue')!r}), 'reward', [0]).values[0], "
         "sorted({m.split('.')[0] for m in sys.modules} & {'torch', 'transfer_queue', 'numpy', 'ray', 'tensordict'}))"
     )

@@ -13,8 +13,10 @@ the controller state, and its unneeded fields may hold any object. It is therefo
 :class:`Select` spec names (the metric of the wanted trajectories), seeks over every other payload, and
 calls nothing but inert stand-ins. Torch tensors are decoded from their bytes: the payload of
 ``torch.storage._load_from_bytes`` is a legacy ``torch.save`` of one storage, whose small pickles go
-through :class:`~tqmon.sources.checkpoint.RestrictedUnpickler` and whose raw data is unpacked with
-``struct``. Anything else is refused with :class:`~tqmon.sources.checkpoint.CheckpointError`.
+through :class:`~tqmon.checkpoint.unpickler.RestrictedUnpickler` and whose raw data is unpacked with
+``struct``. Anything else is refused with :class:`~tqmon.checkpoint.unpickler.CheckpointError`.
+
+:func:`filter_verdicts` then replays ``ReplayBuffer._dapo_filtered_keys`` on the restored window.
 """
 
 from __future__ import annotations
@@ -26,21 +28,14 @@ import re
 import struct
 from collections.abc import Callable, Iterable, Mapping
 from contextlib import nullcontext
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO
 
-from tqmon.composition import Progress
-from tqmon.events import GroupCount, TrainerConfig
-from tqmon.sources.checkpoint import (
-    LARGE_CHECKPOINT_BYTES,
-    CheckpointError,
-    CheckpointReading,
-    ProgressFactory,
-    RestrictedUnpickler,
-    partition_tags,
-)
-from tqmon.warmup import WarmupConfig, is_stale, is_zero_variance
+from tqmon.checkpoint.unpickler import CheckpointError, RestrictedUnpickler
+from tqmon.composition import Progress, ProgressFactory
+from tqmon.events import GroupCount
+from tqmon.warmup import is_zero_variance
 
 STORAGE_DIR = "simple_storage"
 MANIFEST_FILE = "storage_unit_info.json"
@@ -685,7 +680,9 @@ def read_metric_values(
     max_bytes: int = MAX_STORAGE_BYTES,
     progress: ProgressFactory | None = None,
 ) -> MetricValues:
-    """The metric of the trajectories at the ``wanted`` global indexes, from every storage unit."""
+    """The metric of the trajectories at the ``wanted`` global indexes, from every storage unit.
+
+    ``progress`` is asked for one bar per file (the caller decides which files are worth one)."""
     wanted_set = frozenset(wanted)
     files = storage_unit_files(tq_dir)
     try:
@@ -701,8 +698,7 @@ def read_metric_values(
     missing: set[int] = set()
     for path in files:
         try:
-            large = progress is not None and sizes[path] >= LARGE_CHECKPOINT_BYTES  # the controller's threshold
-            bar = progress(f"reading {path.name}", sizes[path]) if progress is not None and large else nullcontext()
+            bar = progress(f"reading {path.name}", sizes[path]) if progress is not None else nullcontext()
             with open(path, "rb") as handle, bar as reported:
                 root = SelectiveWalker(handle, spec, progress=reported).load()
         except OSError as err:
@@ -749,31 +745,23 @@ class FilterVerdicts:
         return self.missing == 0
 
 
-def train_keys(state: object) -> list[tuple[str, int, Mapping[str, Any]]]:
-    """``(key, global index, tag)`` of partition train, in ``keys_mapping`` order (``kv_list``'s order)."""
-    tags = partition_tags(state)
-    if not tags:
-        return []
-    mapping = state["partitions"]["train"].state["keys_mapping"]  # type: ignore[index]
-    return [(key, mapping[key], tag) for key, tag in tags.items()]
-
-
 def filter_verdicts(
-    state: object,
+    keys: Iterable[tuple[str, object, object]],
     tq_dir: Path,
     metric: str,
     *,
     max_bytes: int = MAX_STORAGE_BYTES,
     progress: ProgressFactory | None = None,
 ) -> FilterVerdicts:
-    """``ReplayBuffer._dapo_filtered_keys`` on the restored window, from the controller state and the storage units.
+    """``ReplayBuffer._dapo_filtered_keys`` on the restored window, from its ``(key, global index, tag)``s in
+    ``kv_list`` order and the storage units.
 
     Finished prompt keys are the groups; a trajectory belongs to ``key.split("_")[0]``; each group's values
     are taken in ``kv_list`` order, as verl zips ``kv_batch_get``'s rows with its keys.
     """
     finished: dict[str, int] = {}
     trajectories: list[tuple[str, int]] = []
-    for key, index, tag in train_keys(state):
+    for key, index, tag in keys:
         if not isinstance(tag, Mapping):
             raise CheckpointError("invalid_data", f"tag of key {key!r} is {type(tag).__name__}, not a dict")
         if tag.get("is_prompt", False):
@@ -813,79 +801,3 @@ def with_verdicts(groups: list[GroupCount], verdicts: FilterVerdicts) -> list[Gr
         if zero:
             split.append(group.model_copy(update={"count": zero, "filtered": True}))
     return split
-
-
-def dapo_update(groups: list[GroupCount], verdicts: FilterVerdicts | None) -> dict[str, Any]:
-    """The fields a ``checkpoint_saved`` event gains from decided verdicts (none when some are missing)."""
-    if verdicts is None or not verdicts.decided:
-        return {}
-    return {"groups": with_verdicts(groups, verdicts), "filter_metric": verdicts.metric}
-
-
-def with_filter_verdicts(
-    reading: CheckpointReading, state: object, metric: str | None, progress: ProgressFactory | None = None
-) -> CheckpointReading:
-    """``reading`` with the DAPO verdicts of its storage units; a failure is kept on it, the composition stands."""
-    if metric is None or reading.tq_dir is None:
-        return reading
-    try:
-        return replace(reading, filter_verdicts=filter_verdicts(state, reading.tq_dir, metric, progress=progress))
-    except CheckpointError as err:
-        return replace(reading, filter_error=err)
-
-
-def dapo_metric(config: TrainerConfig | None) -> str | None:
-    """The metric to read from the storage units: only when DAPO is on and its metric is known."""
-    if config is None or not config.filter_groups:
-        return None
-    return config.filter_groups_metric
-
-
-def dapo_json(reading: CheckpointReading, config: WarmupConfig | None) -> dict[str, Any] | None:
-    """``tqmon inspect --json``'s ``dapo`` block: the verdicts as verl's first-step metrics will count them."""
-    verdicts = reading.filter_verdicts
-    if verdicts is None:
-        return None if reading.filter_error is None else {"error": str(reading.filter_error)}
-    zero, stale = zero_variance_counts(verdicts, config, reading.step + 1)
-    return {
-        "metric": verdicts.metric,
-        "finished_judged": verdicts.finished,
-        "zero_variance": zero,  # verl's training/filter_groups/evicted_samples (it counts stale ones too)
-        "zero_variance_stale": stale,  # also training/off_policy/evicted_samples: doomed counts them as stale
-        "missing_metric": verdicts.missing,
-        "trajectories_read": verdicts.trajectories,
-        "storage_bytes": verdicts.storage_bytes,
-    }
-
-
-def zero_variance_counts(verdicts: FilterVerdicts, config: WarmupConfig | None, sample_step: int) -> tuple[int, int]:
-    """Zero-variance finished groups, and how many of them are also stale at ``sample_step``."""
-    zero = sum(verdicts.filtered.values())
-    if config is None:
-        return zero, 0
-    return zero, sum(n for steps, n in verdicts.filtered.items() if is_stale(config, steps, sample_step))
-
-
-def dapo_notes(reading: CheckpointReading, config: WarmupConfig, *, known: bool) -> list[str]:
-    """What ``tqmon inspect`` says about DAPO under this config."""
-    if not config.filter_groups:
-        return []
-    verdicts, error = reading.filter_verdicts, reading.filter_error
-    if error is not None:
-        return [f"filter_groups is on but the storage units could not be read ({error}): filtered is unknown"]
-    if verdicts is None:
-        return [
-            "filter_groups is on: give --filter-groups-metric (algorithm.filter_groups.metric) to predict the "
-            "groups DAPO filters from the storage units; until then the deficit is a minimum"
-        ]
-    if not verdicts.decided:
-        return [
-            f"{verdicts.missing} finished group(s) lack DAPO metric {verdicts.metric!r} on some trajectory: "
-            "verl 0.9.1 raises RuntimeError ('Finished groups are missing DAPO metric') at the first sample"
-        ]
-    zero, stale = zero_variance_counts(verdicts, config, reading.step + 1)
-    notes = [
-        f"DAPO ({verdicts.metric}): {zero} of {verdicts.finished} finished groups have zero variance; verl reports "
-        f"{zero} as filter_groups/evicted_samples, {stale} of them also as off_policy (doomed counts those as stale)"
-    ]
-    return notes if known else [*notes, "filtered is unknown"]
