@@ -65,9 +65,7 @@ class ResumeRecord:
     first_step_evictions: Mapping[str, int] | None = None
     first_step_generation_wait_seconds: float | None = None
     evidence: tuple[Evidence, ...] = ()
-    cost: ResumeCost = field(
-        default_factory=ResumeCost
-    )  # what the resume cost (tqmon.cost); all unknown for a fresh start
+    cost: ResumeCost = field(default_factory=ResumeCost)  # what the resume cost; all unknown for a fresh start
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
