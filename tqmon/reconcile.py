@@ -551,8 +551,11 @@ def trainer_time(event: Event, source: str, received_at: float) -> float | None:
     """When the trainer did it: the event's own time, or its receipt for a pushed event (posted as it happens).
 
     A line without a timestamp (verl's JSONL and console step lines) may be read long after it was written
-    (a catch-up, ``tqmon analyze``): its receipt is not the trainer's time, so it has none.
+    (a catch-up, ``tqmon analyze``): its receipt is not the trainer's time, so it has none. Nor has a reading
+    of the checkpoint dir: it may come before the log lines of the same time, or after a later save.
     """
+    if source == SourceName.CHECKPOINT:
+        return None
     if event.time is not None:
         return event.time.timestamp()
     return received_at if source == SourceName.EVENTS else None
