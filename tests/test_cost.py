@@ -31,13 +31,13 @@ from tqmon.events import (
     InflightReissued,
     RunStarted,
     StepCompleted,
-    TrainerConfig,
     TrainingStarted,
     WarmupDecided,
     WindowObserved,
 )
 from tqmon.reconcile import Reconciler
 from tqmon.snapshot import SourceName
+from tqmon.warmup import TrainerConfig
 
 LOG_FORMAT = "%(levelname)s:%(asctime)s:%(message)s"  # verl's
 DAY = "2026-11-28"
