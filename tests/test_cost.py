@@ -190,6 +190,14 @@ def test_checkpoint_dir_readings_and_untimed_lines_are_not_trainer_time() -> Non
     assert fold([*first_run(), *untimed]).records[-1].cost.downtime_seconds is None
 
 
+def test_a_step_reported_by_the_log_and_the_jsonl_counts_once_in_the_step_duration() -> None:
+    # Steps 1-5 of 30 s from the JSONL, then step 5 again (the console line) claiming 90 s: the mean stays 30.
+    state = fold([*first_run(), (StepCompleted(id="l5", global_step=5, step_seconds=90.0), SourceName.LOG)])
+    assert state.step_seconds == 30.0
+    # Step 5 trained again after the resume is a new step: (5 x 30 + 42.5) / 6.
+    assert fold([*first_run(), *resume()]).step_seconds == (5 * 30.0 + 42.5) / 6
+
+
 def test_rollout_n_is_a_trainer_setting_with_its_verl_path(tmp_path: Path) -> None:
     from tqmon.hydra_config import load_trainer_config
     from tqmon.warmup import verl_setting

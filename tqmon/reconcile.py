@@ -434,8 +434,10 @@ class Reconciler:
                 evidence_of.loop_started_at = _latest(evidence_of.loop_started_at, self._event_time)
             case StepCompleted():
                 self.trainer_step = event.global_step
+                # The log's console line and the JSONL report the same step: its duration counts once.
+                repeated = self._step_completed is not None and event.global_step <= self._step_completed
                 self._step_completed = max(event.global_step, self._step_completed or 0)
-                if event.step_seconds is not None:
+                if event.step_seconds is not None and not repeated:
                     self._step_seconds.append(event.step_seconds)
                 obs = self._observed
                 if obs is not None and not obs.sealed:
