@@ -109,6 +109,14 @@ class TrainerConfig(BaseModel):
             "the groups DAPO filters ('reward' reads rm_scores).",
         ),
     ] = None
+    rollout_n: Annotated[
+        int | None,
+        Field(gt=0, description="actor_rollout_ref.rollout.n"),
+        Verl(
+            "actor_rollout_ref.rollout.n",
+            "actor_rollout_ref.rollout.n: trajectories per prompt group; needed for the rollouts a resume wasted.",
+        ),
+    ] = None
 
     @property
     def dapo_metric(self) -> str | None:
