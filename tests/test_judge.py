@@ -174,7 +174,7 @@ def test_a_lost_window_is_confirmed_by_the_checkpoint_dir_and_sized_by_the_previ
     )
     [record] = state.records
     assert record.warmup_state is WarmupState.LOST_WINDOW
-    assert record.lost_prompt_groups == 11
+    assert record.cost.lost_prompt_groups == 11
     details = [e.detail for e in record.evidence if e.source == "checkpoint"]
     assert "global_step_40 has no transfer_queue/" in details
     assert "global_step_30 held 11 groups" in details
@@ -189,7 +189,8 @@ def test_a_restore_line_or_verl_090_is_not_a_lost_window() -> None:
     legacy = fold(*log(start, decided), verl_version="0.9.0")
     assert legacy.records[0].warmup_state is not WarmupState.LOST_WINDOW
     unknown = fold(*log(start, decided, window(20)))  # the window seen after the restart is not what was lost
-    assert (unknown.records[0].warmup_state, unknown.records[0].lost_prompt_groups) == (WarmupState.LOST_WINDOW, None)
+    [record] = unknown.records
+    assert (record.warmup_state, record.cost.lost_prompt_groups) == (WarmupState.LOST_WINDOW, None)
 
 
 def test_the_pure_pieces() -> None:
@@ -222,16 +223,18 @@ def test_analyze_shows_a_lost_window_and_a_window_short_of_its_warmup(tmp_path: 
     result = CliRunner().invoke(main, ["analyze", "--json", str(path)])
     assert result.exit_code == 0, result.output
     fresh, resumed = json.loads(result.stdout)["records"]
-    assert (fresh["warmup_state"], fresh["lost_prompt_groups"], fresh["disagreements"]) == ("fresh_start", 0, [])
-    assert (resumed["warmup_state"], resumed["lost_prompt_groups"]) == ("lost_window", 16)
+    assert (fresh["warmup_state"], fresh["disagreements"]) == ("fresh_start", [])
+    assert fresh["cost"]["lost_prompt_groups"] is None  # a fresh start costs nothing countable
+    assert (resumed["warmup_state"], resumed["cost"]["lost_prompt_groups"]) == ("lost_window", 16)
     [disagreement] = resumed["disagreements"]
     assert disagreement["quantity"] == "window_after_warmup"
     assert [(c["source"], c["value"]) for c in disagreement["claims"]] == [("log R + M", 12), ("log", 3)]
     assert disagreement["tolerance"] == "allowed 12.."  # no config: the batch a step adds is unknown
 
     table = CliRunner().invoke(main, ["analyze", str(path)])
-    row = table.stdout.strip().splitlines()[-1]
+    header, *_, row = table.stdout.strip().splitlines()
     assert "lost_window" in row
+    assert row[header.index("groups lost") :].split()[0] == "16"  # the resume's cost: one count, one column
     assert "LOST WINDOW: resumed without transfer_queue/ (16 prompt groups lost, all re-generated)" in row
     assert "sources disagree: window_after_warmup: log R + M said 12; log said 3 (allowed 12..)" in row
 
@@ -252,9 +255,9 @@ def test_inspect_predicts_a_lost_window_only_without_the_tq_dir() -> None:
     missing one loses the window."""
     config = TrainerConfig(**T12).warmup_config("colocate_async")
     empty = predict_resume(checkpoint(40, []), reissued=0, cleared=0, config=config)
-    assert (empty.warmup_state, empty.lost_prompt_groups) == (WarmupState.TOPPED_UP, 0)
+    assert (empty.warmup_state, empty.cost.lost_prompt_groups) == (WarmupState.TOPPED_UP, 0)
     missing = predict_resume(checkpoint(40, [], tq=False), reissued=0, cleared=0, config=config)
-    assert (missing.warmup_state, missing.lost_prompt_groups) == (WarmupState.LOST_WINDOW, None)
+    assert (missing.warmup_state, missing.cost.lost_prompt_groups) == (WarmupState.LOST_WINDOW, None)
     assert missing.evidence[-1].detail == "global_step_40 has no transfer_queue/"
 
 

@@ -7,6 +7,7 @@ semantics. The config is verl's CPU-test trainer (train_batch_size 4, num_warmup
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from operator import attrgetter
 from typing import Any
 
 import pytest
@@ -41,7 +42,7 @@ class Case:
     semantics: str = "verl-0.9.1"
     mode: str = "colocate_async"
     config: dict[str, Any] | None = field(default_factory=lambda: dict(T12))
-    expect: dict[str, Any] = field(default_factory=dict)  # record fields -> values
+    expect: dict[str, Any] = field(default_factory=dict)  # record fields (dotted: cost.<field>) -> values
 
 
 CASES = [
@@ -129,7 +130,7 @@ CASES = [
             *resume(40, None, target_prompt_groups=12, restored_prompt_groups=0, submitted_prompt_groups=12),
         ],
         WarmupState.LOST_WINDOW,
-        expect={"restored": 0, "expected": 12, "submitted": 12, "under_submitted": 0, "lost_prompt_groups": 12},
+        expect={"restored": 0, "expected": 12, "submitted": 12, "under_submitted": 0, "cost.lost_prompt_groups": 12},
     ),
     Case(
         "without a config or a warmup line nothing is decided",
@@ -153,7 +154,7 @@ def test_warmup_state_and_semantics(case: Case) -> None:
     given = None if case.config is None else GivenConfig(case.mode, TrainerConfig(**case.config), "flags")
     record = fold(case.events, given).records[-1]
     assert (record.warmup_state, record.semantics) == (case.state, case.semantics)
-    assert {name: getattr(record, name) for name in case.expect} == case.expect
+    assert {name: attrgetter(name)(record) for name in case.expect} == case.expect
 
 
 def test_the_table_covers_every_state_and_both_semantics() -> None:
@@ -185,6 +186,37 @@ def test_a_bare_log_resume_is_completed_from_the_checkpoint_it_loaded() -> None:
     assert record.doomed == {"failure": 2, "stale": 4, "filtered": 0}
     assert record.expected == 0
     assert [e.source for e in record.evidence][-1] == "checkpoint"
+
+
+@pytest.mark.parametrize(
+    ("filtered", "metric", "doomed"),
+    [
+        (1, "acc", {"failure": 2, "stale": 4, "filtered": 1}),  # the storage units' verdicts
+        (0, "acc", {"failure": 2, "stale": 4, "filtered": 0}),  # decided: none filtered, not unknown
+        (0, None, {"failure": 2, "stale": 4}),  # no verdicts: filtered unknown
+    ],
+)
+def test_dapo_verdicts_of_a_checkpoint_decide_filtered_for_the_resume_that_loads_it(
+    filtered: int, metric: str | None, doomed: dict[str, int]
+) -> None:
+    """The checkpoint source's verdicts reach the live record of a bare log resume and the preflight alike."""
+    trainer = TrainerConfig(**T12, filter_groups=True, filter_groups_metric="acc")
+    kept = GroupCount(status="finished", global_steps=40, count=3 - filtered)
+    split = [g for g in COMPOSITION if (g.status, g.global_steps) != ("finished", 40)] + [kept]
+    if filtered:
+        split.append(GroupCount(status="finished", global_steps=40, count=filtered, filtered=True))
+    checkpoint = CheckpointSaved(id="checkpoint:40", step=40, groups=split, filter_metric=metric)
+    state = Reconciler(GivenConfig("colocate_async", trainer, "flags"))
+    state.apply(checkpoint, "checkpoint", 900.0)
+    skipped = {"target_prompt_groups": 12, "submitted_prompt_groups": 0, "skip_reason": "window_full"}
+    for index, raw in enumerate(resume(40, 12, **skipped)):
+        state.apply(parse_event({"id": f"e{index}", **raw}), "log", 1000.0 + index)
+    [record] = state.records
+    assert record.doomed == doomed
+    assert state.checkpoint is not None and state.checkpoint.doomed == doomed
+    predicted = predict_resume(checkpoint, reissued=3, cleared=5, config=trainer.warmup_config("colocate_async"))
+    assert predicted.doomed == doomed
+    assert record.under_submitted == predicted.under_submitted == sum(doomed.values())  # T = R, M = 0
 
 
 @pytest.mark.parametrize(

@@ -29,6 +29,7 @@ import pytest
 
 from tests.conftest import TqmonProcess
 from tqmon.conditions import EVALUATORS, NEEDS_PROMETHEUS
+from tqmon.cost import ResumeCost
 from tqmon.exporters.html import render
 from tqmon.rules import RuleConfig, alerts
 from tqmon.snapshot import Claim, Disagreement, Evidence, ResumeRecord, Snapshot, SourceHealth, Tally
@@ -333,7 +334,7 @@ def test_flagged_resume_in_chromium(tqmon_factory: Factory, tmp_path: Path) -> N
     assert "Orphan trajectories: 7" in checkpoint.text()
 
     jsonl = dom.find(data_source="jsonl")
-    assert "DOWN" in jsonl.text() and f"no file matches {missing_jsonl}" in jsonl.text()
+    assert "DOWN" in jsonl.text() and f"{missing_jsonl} does not exist (yet): waiting" in jsonl.text()
     assert "up" in dom.find(data_source="events").text()
 
     states = conditions(dom)
@@ -547,7 +548,7 @@ def test_a_lost_window_whose_sources_disagree_is_flagged_with_each_source() -> N
                 "window_after_warmup", (Claim("log R + M", 8, T1 - 29), Claim("tq", 3, T1 - 20)), "allowed 8..12"
             ),
         ),
-        lost_prompt_groups=12,
+        cost=ResumeCost(lost_prompt_groups=12),
     )
     dom = parse(render(snapshot(record), T1))
     assert dom.find(data_k="verdict").text() == (

@@ -186,7 +186,7 @@ def _lost_window(snapshot: Snapshot, now: float, config: RuleConfig) -> Check:
     record = _recent(snapshot, now, config)
     if record is None:
         return False, _no_recent_start(snapshot)
-    lost = "unknown" if record.lost_prompt_groups is None else record.lost_prompt_groups
+    lost = "unknown" if record.cost.lost_prompt_groups is None else record.cost.lost_prompt_groups
     detail = f"warmup state {record.warmup_state}"
     if record.warmup_state is WarmupState.LOST_WINDOW:
         detail += f", {lost} prompt groups lost"

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field, replace
 from statistics import fmean
 from typing import Any
 
+from tqmon.cost import CostInputs, resume_cost
 from tqmon.events import (
     CheckpointRestored,
     CheckpointSaved,
@@ -84,6 +85,7 @@ class Observed:
     restored: int | None = None
     by_status: dict[str, int] | None = None
     groups: list[GroupCount] | None = None
+    filter_metric: str | None = None  # the DAPO metric every finished group of ``groups`` was judged with
     reissued: int | None = None
     cleared: int | None = None
     target: int | None = None
@@ -99,6 +101,13 @@ class Observed:
     window_before: Claim | None = None  # the train window's total last seen before this start opened
     first_window: Claim | None = None  # the first train window seen after it opened
     window_after_decision: Claim | None = None  # the first one seen after the warmup decision
+
+    # What the resume cost (tqmon.cost): trainer times only (see trainer_time), None where not observed.
+    first_line_at: float | None = None  # the start's first event, if it carried the trainer's time
+    last_step_before: int | None = None  # the last step completed (or saved) before the stop, if steps were seen
+    last_activity_before: float | None = None  # the last timed trainer event before the stop
+    loop_started_at: float | None = None  # the re-issue or warmup line: verl's step loop starts right after
+    first_step_seconds: float | None = None  # the first step's own duration (timing_s/step)
 
     def claim(self, quantity: str, source: str, value: int, at: float, event_id: str) -> None:
         self.claims.setdefault(quantity, []).append(Claim(source, value, at, event_id))
@@ -227,7 +236,20 @@ def derive_record(
         first_step_generation_wait_seconds=obs.first_step_wait,
         evidence=tuple(evidence),
         disagreements=_disagreements(obs, config, loaded, restored, submitted, semantics, doomed),
-        lost_prompt_groups=_lost_groups(obs, previous) if window_lost else _nothing_lost(obs, keeps_window),
+        cost=resume_cost(
+            CostInputs(
+                checkpoint_step=obs.checkpoint_step,
+                started_at=obs.first_line_at,
+                last_step_before=obs.last_step_before,
+                last_activity_before=obs.last_activity_before,
+                loop_started_at=obs.loop_started_at,
+                first_step_seconds=obs.first_step_seconds,
+                doomed=doomed,
+                rollout_n=config.rollout_n if config is not None else None,
+            ),
+            resumed=obs.resumed,
+            lost_prompt_groups=_lost_groups(obs, previous) if window_lost else _nothing_lost(obs, keeps_window),
+        ),
     )
 
 
@@ -292,9 +314,9 @@ def _disagreements(
 
 
 def _nothing_lost(obs: Observed, keeps_window: bool) -> int | None:
-    """0 when no window can have been lost (a fresh start, a reported restore, a mode that keeps none);
-    None while that is not known yet (or never: verl 0.9.0 does not report its restore)."""
-    return 0 if not obs.resumed or obs.restored_at is not None or not keeps_window else None
+    """0 when a resume can have lost no window (a reported restore, a mode that keeps none); None while that
+    is not known yet (or never: verl 0.9.0 does not report its restore). A fresh start has no cost at all."""
+    return 0 if obs.restored_at is not None or not keeps_window else None
 
 
 def _lost_groups(obs: Observed, previous: Composition | None) -> int | None:
@@ -371,7 +393,9 @@ def _doomed(obs: Observed, config: WarmupConfig | None, restored: int | None) ->
     if restored == 0:
         return dict.fromkeys(DOOM_REASONS, 0)
     groups = restored_groups(obs.groups) if obs.groups is not None and obs.checkpoint_step is not None else None
-    return known_doomed(config, status_counts(obs.by_status, obs.groups), groups, obs.checkpoint_step or 0)
+    statuses = status_counts(obs.by_status, obs.groups)
+    decided = obs.filter_metric is not None
+    return known_doomed(config, statuses, groups, obs.checkpoint_step or 0, filter_verdicts=decided)
 
 
 def restores_tq(config: WarmupConfig | None) -> bool:
@@ -403,7 +427,14 @@ def with_checkpoint(obs: Observed, saved: Composition | None, config: WarmupConf
     if obs.restored not in (None, total):
         return obs  # the trainer restored something else: the log's total stands
     evidence = Evidence(source, event.type, event.id, at, f"composition of global_step_{event.step}: {statuses}")
-    return replace(obs, restored=total, by_status=statuses, groups=event.groups, evidence=[*obs.evidence, evidence])
+    return replace(
+        obs,
+        restored=total,
+        by_status=statuses,
+        groups=event.groups,
+        filter_metric=event.filter_metric,
+        evidence=[*obs.evidence, evidence],
+    )
 
 
 def checkpoint_doomed(event: CheckpointSaved, config: WarmupConfig | None) -> dict[str, int] | None:
@@ -412,7 +443,7 @@ def checkpoint_doomed(event: CheckpointSaved, config: WarmupConfig | None) -> di
     if statuses is None:
         return None
     groups = restored_groups(event.groups) if event.groups is not None else None
-    return known_doomed(config, statuses, groups, event.step)
+    return known_doomed(config, statuses, groups, event.step, filter_verdicts=event.filter_metric is not None)
 
 
 def predict_resume(saved: CheckpointSaved, reissued: int, cleared: int, config: WarmupConfig | None) -> ResumeRecord:
@@ -471,6 +502,11 @@ class Reconciler:
         self._step_seconds: deque[float] = deque(maxlen=STEP_RATE_WINDOW)
         self._compositions: dict[int, Composition] = {}  # step -> a checkpoint's composition
         self._last_train_window: Claim | None = None  # never dropped: a lost window's size after a restart
+        # Since the open start began: the last step the trainer completed and saved, and its last timed event.
+        self._step_completed: int | None = None
+        self._step_saved: int | None = None
+        self._last_activity: float | None = None
+        self._event_time: float | None = None  # trainer_time of the event being applied
         if given is not None:  # run_started overrides it
             self._set_run(RunInfo("", given.trainer_mode, "", given.config.model_dump(), given.origin), given.config)
 
@@ -517,6 +553,7 @@ class Reconciler:
     def apply(self, event: Event, source: str, received_at: float) -> None:
         at = event.timestamp(received_at)
         self.trainer_last_event = at if self.trainer_last_event is None else max(self.trainer_last_event, at)
+        self._event_time = trainer_time(event, source, received_at)
         evidence_of: Observed | None = None  # the start this event is evidence of
         match event:
             case RunStarted():
@@ -564,6 +601,7 @@ class Reconciler:
                 )
                 evidence_of.reissued, evidence_of.cleared = event.reissued_prompt_groups, event.cleared_trajectories
                 evidence_of.claim("reissued", source, event.reissued_prompt_groups, at, event.id)
+                evidence_of.loop_started_at = _latest(evidence_of.loop_started_at, self._event_time)
             case WarmupDecided():
                 evidence_of = self._attach(
                     None,
@@ -573,15 +611,20 @@ class Reconciler:
                 )
                 _take_decision(evidence_of, event)
                 _claim_decision(evidence_of, event, source, at)
+                evidence_of.loop_started_at = _latest(evidence_of.loop_started_at, self._event_time)
             case StepCompleted():
                 self.trainer_step = event.global_step
-                if event.step_seconds is not None:
+                # The log's console line and the JSONL report the same step: its duration counts once.
+                repeated = self._step_completed is not None and event.global_step <= self._step_completed
+                self._step_completed = max(event.global_step, self._step_completed or 0)
+                if event.step_seconds is not None and not repeated:
                     self._step_seconds.append(event.step_seconds)
                 obs = self._observed
                 if obs is not None and not obs.sealed:
                     evicted = _str_keys(event.evicted_prompt_groups)
                     obs.first_step_evictions = {r: evicted.get(r, 0) for r in DOOM_REASONS}
                     obs.first_step_wait = event.generation_wait_seconds
+                    obs.first_step_seconds = event.step_seconds
                     evidence_of = obs
             case CheckpointSaved():
                 self._saved(event, source, at)
@@ -590,10 +633,13 @@ class Reconciler:
         if evidence_of is not None:
             evidence_of.evidence.append(Evidence(source, event.type, event.id, at, _describe(event)))
             self._rederive()
+        if not isinstance(event, RunStarted):  # a new process announcing itself is not activity before a stop
+            self._last_activity = _latest(self._last_activity, self._event_time)
 
     def _saved(self, event: CheckpointSaved, source: str, at: float) -> None:
         if source != SourceName.CHECKPOINT:  # the checkpoint dir may hold an older run's checkpoint
             self.trainer_step = event.step
+            self._step_saved = max(event.step, self._step_saved or 0)
         current = self.checkpoint
         bare = event.status_counts() is None
         if not bare:
@@ -633,7 +679,11 @@ class Reconciler:
             run_id=self.run.run_id if self.run else "",
             checkpoint_step=checkpoint_step,
             window_before=self._last_train_window if resumed else None,
+            first_line_at=self._event_time,
+            last_step_before=None if self._step_completed is None else max(self._step_completed, self._step_saved or 0),
+            last_activity_before=self._last_activity,
         )
+        self._step_completed = self._step_saved = None
         claim = self._restart_hint
         if claim is not None and abs(at - claim.at) <= RESTART_CLAIM_SECONDS:
             new.evidence.append(claim)
@@ -702,6 +752,26 @@ def _claim_decision(obs: Observed, event: WarmupDecided, source: str, at: float)
     for quantity, value in reported.items():
         if value is not None:
             obs.claim(quantity, source, value, at, event.id)
+
+
+def trainer_time(event: Event, source: str, received_at: float) -> float | None:
+    """When the trainer did it: the event's own time, or its receipt for a pushed event (posted as it happens).
+
+    A line without a timestamp (verl's JSONL and console step lines) may be read long after it was written
+    (a catch-up, ``tqmon analyze``): its receipt is not the trainer's time, so it has none. Nor has a reading
+    of the checkpoint dir: it may come before the log lines of the same time, or after a later save.
+    """
+    if source == SourceName.CHECKPOINT:
+        return None
+    if event.time is not None:
+        return event.time.timestamp()
+    return received_at if source == SourceName.EVENTS else None
+
+
+def _latest(current: float | None, candidate: float | None) -> float | None:
+    if candidate is None:
+        return current
+    return candidate if current is None else max(current, candidate)
 
 
 def _str_keys(counts: Mapping[Any, int]) -> dict[str, int]:

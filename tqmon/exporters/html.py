@@ -261,7 +261,7 @@ def _story(record: ResumeRecord) -> str:
         bound = f" — a lower bound: doomed {', '.join(missing)} not known, counted as 0" if missing else " — exact"
         lines.append(f"Deficit max(0, T − (R − doomed + M)) = {_e(record.under_submitted)}{_e(bound)}.")
     if record.warmup_state is WarmupState.LOST_WINDOW:
-        lost = "an unknown number of" if record.lost_prompt_groups is None else _e(record.lost_prompt_groups)
+        lost = "an unknown number of" if record.cost.lost_prompt_groups is None else _e(record.cost.lost_prompt_groups)
         lines.append(
             f"<b class='flag'>Its checkpoint held no transfer_queue/</b>: the saved window was lost ({lost} prompt"
             " groups) and the warmup re-generated it."
