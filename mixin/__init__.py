@@ -1,0 +1,1 @@
+"""Generators of tqmon's shipped artefacts (docs, rules, dashboards, manifests), run from the checkout."""
