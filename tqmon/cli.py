@@ -332,6 +332,22 @@ def main() -> None:
     help="Seconds of fast polling after a resume is detected (when the window matters most).",
     env="TQ_FAST_PERIOD",
 )
+@option(
+    "--file-sd",
+    type=click.Path(dir_okay=False, path_type=Path),
+    default=None,
+    help="Announce this tqmon to Prometheus: write a file_sd target file here (atomically; removed on exit).",
+    env="FILE_SD",
+)
+@option(
+    "--file-sd-label",
+    "file_sd_labels",
+    multiple=True,
+    metavar="NAME=VALUE",
+    help="Label of the file_sd target (repeatable; the env var is space-separated). SLURM_JOB_ID, "
+    "SLURM_JOB_NAME and SLURM_CLUSTER_NAME add slurm_job_id, slurm_job_name and slurm_cluster.",
+    env="FILE_SD_LABEL",
+)
 @trainer_config_options
 def serve(
     listen: str,
@@ -351,6 +367,8 @@ def serve(
     tq_min_interval: float,
     tq_max_interval: float,
     tq_fast_period: float,
+    file_sd: Path | None,
+    file_sd_labels: tuple[str, ...],
     trainer: TrainerFlags,
 ) -> None:
     """Serve /metrics, /api/v1/status and the trainer event API (POST /api/v1/events).
@@ -378,6 +396,8 @@ def serve(
         tq_budget=PollBudget(
             budget=tq_budget, min_interval=tq_min_interval, max_interval=tq_max_interval, fast_period=tq_fast_period
         ),
+        file_sd=file_sd,
+        file_sd_labels=tuple(label for item in file_sd_labels for label in item.split()),
     )
     serve_forever(config, log_level)
 

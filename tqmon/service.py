@@ -11,6 +11,7 @@ from prometheus_client import CollectorRegistry
 
 from tqmon.events import TrainerConfig
 from tqmon.exporters.prometheus import build_registry
+from tqmon.file_sd import FileSDError, file_sd_target
 from tqmon.sources.checkpoint import CheckpointSource
 from tqmon.sources.logfile import LogSource, parse_jsonl
 from tqmon.sources.tq import PollBudget, PollerProcess, TQSource
@@ -51,6 +52,8 @@ class ServiceConfig:
     ray_address: str | None = None
     tq_timeout: float = 5.0
     tq_budget: PollBudget = field(default_factory=PollBudget)
+    file_sd: Path | None = None  # --file-sd: announce this tqmon to Prometheus in a file_sd target file
+    file_sd_labels: tuple[str, ...] = ()  # KEY=VALUE
 
     def validate(self) -> None:
         if not is_loopback(self.host) and not self.token:
@@ -112,6 +115,10 @@ class Service:
             if config.ray_address
             else None
         )
+        try:
+            self.file_sd = file_sd_target(config.file_sd, config.host, config.port, config.file_sd_labels)
+        except FileSDError as err:
+            raise ConfigError(str(err)) from err
         self.registry: CollectorRegistry = build_registry(
             lambda: self.tracker.snapshot, process_metrics=config.process_metrics
         )
@@ -124,8 +131,12 @@ class Service:
     def start(self) -> None:
         for source in self.sources:
             source.start()
+        if self.file_sd is not None:
+            self.file_sd.register()
 
     def stop(self) -> None:
+        if self.file_sd is not None:
+            self.file_sd.deregister()
         for source in self.sources:
             source.stop()
         self.store.close()
