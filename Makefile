@@ -22,7 +22,7 @@ $(BIN)/tqmon: pyproject.toml
 # Debian package of each command the tests run: the image test (podman, runc, debootstrap), the manifest
 # tests (kubectl) and the Prometheus tests (prometheus, promtool).
 SYSTEM_DEPS := promtool:prometheus prometheus:prometheus podman:podman runc:runc debootstrap:debootstrap \
-	kubectl:kubernetes-client
+	kubectl:kubernetes-client systemd-analyze:systemd
 
 system-deps:
 	@missing=$$(for pair in $(SYSTEM_DEPS); do command -v $${pair%%:*} >/dev/null || echo $${pair#*:}; done | sort -u); \

@@ -151,7 +151,11 @@ def prometheus_rule() -> dict[str, Any]:
     return {
         "apiVersion": "monitoring.coreos.com/v1",
         "kind": "PrometheusRule",
-        "metadata": {"name": "tqmon", "namespace": NAMESPACE, "labels": {"app.kubernetes.io/name": "tqmon", **RELEASE_LABEL}},
+        "metadata": {
+            "name": "tqmon",
+            "namespace": NAMESPACE,
+            "labels": {"app.kubernetes.io/name": "tqmon", **RELEASE_LABEL},
+        },
         "spec": rule_groups(),
     }
 
@@ -185,7 +189,8 @@ _Dumper.add_representer(str, _str_presenter)
 
 
 def dump(*documents: Any) -> str:
-    return HEADER + yaml.dump_all(documents, Dumper=_Dumper, sort_keys=False, width=10_000, allow_unicode=True)
+    body: str = yaml.dump_all(documents, Dumper=_Dumper, sort_keys=False, width=10_000, allow_unicode=True)
+    return HEADER + body
 
 
 def rendered() -> dict[Path, str]:

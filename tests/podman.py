@@ -28,11 +28,9 @@ def cache_dir() -> Path:
     return Path(os.environ.get("TQMON_TEST_CACHE", Path.home() / ".cache" / "tqmon-test"))
 
 
-def podman(*args: str, check: bool = True, timeout: float = 600, **kwargs: object) -> subprocess.CompletedProcess[str]:
+def podman(*args: str, check: bool = True, timeout: float = 600) -> subprocess.CompletedProcess[str]:
     """One podman command with this machine's storage and runtime flags."""
-    return subprocess.run(
-        [*PODMAN, *args], check=check, timeout=timeout, text=True, capture_output=True, **kwargs  # type: ignore[call-overload]
-    )
+    return subprocess.run([*PODMAN, *args], check=check, timeout=timeout, text=True, capture_output=True)
 
 
 def missing_tools() -> list[str]:
@@ -72,8 +70,14 @@ def _make_rootfs(tarball: Path) -> None:
     with tempfile.TemporaryDirectory(prefix="tqmon-rootfs-") as tmp:
         root = Path(tmp) / "rootfs"
         subprocess.run(
-            ["debootstrap", "--variant=minbase", "--include=python3,python3-pip,python3-venv", SUITE, str(root)]
-            + [debian_mirror()],
+            [
+                "debootstrap",
+                "--variant=minbase",
+                "--include=python3,python3-pip,python3-venv",
+                SUITE,
+                str(root),
+                debian_mirror(),
+            ],
             check=True,
             timeout=900,
             capture_output=True,
@@ -120,7 +124,9 @@ def pip_build_args() -> list[str]:
     already in the stand-in's /etc/pip.conf.
     """
     settings = dict(os.environ)
-    listed = subprocess.run([sys.executable, "-m", "pip", "config", "list"], capture_output=True, text=True, check=False)
+    listed = subprocess.run(
+        [sys.executable, "-m", "pip", "config", "list"], capture_output=True, text=True, check=False
+    )
     for line in listed.stdout.splitlines():
         key, _, value = line.partition("=")
         name = {"global.index-url": "PIP_INDEX_URL", "global.extra-index-url": "PIP_EXTRA_INDEX_URL"}.get(key)

@@ -62,14 +62,13 @@ def eventually(probe: Callable[[], Any], done: Callable[[Any], bool], what: str,
 
 
 @pytest.mark.e2e
-def test_prometheus_file_sd_picks_up_and_drops_tqmon(tqmon_factory: Callable[..., TqmonProcess], tmp_path: Path) -> None:
+def test_prometheus_file_sd_picks_up_and_drops_tqmon(
+    tqmon_factory: Callable[..., TqmonProcess], tmp_path: Path
+) -> None:
     sd_dir = tmp_path / "file_sd"
     sd_dir.mkdir()
     job = (
-        "  - job_name: tqmon\n"
-        "    file_sd_configs:\n"
-        f"      - files: ['{sd_dir}/*.json']\n"
-        "        refresh_interval: 2s\n"
+        f"  - job_name: tqmon\n    file_sd_configs:\n      - files: ['{sd_dir}/*.json']\n        refresh_interval: 2s\n"
     )
     prom = Prometheus(tmp_path / "prometheus", None, job)
     try:

@@ -80,7 +80,9 @@ def test_prometheus_rule_passes_promtool(tmp_path: Path) -> None:
     (rule,) = by_kind(render("rayjob"), "PrometheusRule")
     path = tmp_path / "rules.yml"
     path.write_text(yaml.safe_dump(rule["spec"]))
-    result = subprocess.run([tool("promtool"), "check", "rules", str(path)], capture_output=True, text=True)
+    result = subprocess.run(
+        [tool("promtool"), "check", "rules", str(path)], capture_output=True, text=True, check=False
+    )
     assert result.returncode == 0, result.stdout + result.stderr
     assert f"SUCCESS: {len(rule['spec']['groups'][0]['rules'])} rules found" in result.stdout
 
@@ -99,10 +101,16 @@ def test_dashboard_config_maps_hold_the_dashboards() -> None:
 def test_built_in_objects_pass_strict_validation(overlay: str) -> None:
     docs = render(overlay)
     checked = 0
-    for doc in docs:
+    for rendered in docs:
+        doc = rendered
         if doc["kind"] in ("RayCluster", "RayJob"):
             # No schema for the CRDs; their pod templates are core PodTemplateSpecs and validate as such.
-            doc = {"apiVersion": "v1", "kind": "PodTemplate", "metadata": {"name": "head"}, "template": pod_template(doc)}
+            doc = {
+                "apiVersion": "v1",
+                "kind": "PodTemplate",
+                "metadata": {"name": "head"},
+                "template": pod_template(doc),
+            }
         elif "/" in doc["apiVersion"] and doc["apiVersion"].split("/")[0].endswith(("coreos.com", "ray.io")):
             continue
         kubernetes_validate.validate(doc, K8S_VERSION, strict=True)
@@ -195,7 +203,7 @@ def test_network_policy_admits_only_scraper_and_trainer_to_the_tqmon_port() -> N
 
 def test_dockerfile_has_no_hadolint_findings() -> None:
     hadolint = Path(sys.executable).parent / "hadolint"
-    result = subprocess.run([str(hadolint), str(ROOT / "Dockerfile")], capture_output=True, text=True)
+    result = subprocess.run([str(hadolint), str(ROOT / "Dockerfile")], capture_output=True, text=True, check=False)
     assert result.returncode == 0 and result.stdout == "", result.stdout + result.stderr
 
 

@@ -29,7 +29,9 @@ def test_shipped_rule_unit_tests_pass() -> None:
 def test_shipped_rule_unit_tests_catch_a_changed_threshold(tmp_path: Path) -> None:
     rules = (PROMETHEUS_DIR / "tqmon-rules.yml").read_text()
     assert "tqmon:window_fill_ratio:ratio < 0.9" in rules
-    (tmp_path / "tqmon-rules.yml").write_text(rules.replace("tqmon:window_fill_ratio:ratio < 0.9", "tqmon:window_fill_ratio:ratio < 0.4"))
+    (tmp_path / "tqmon-rules.yml").write_text(
+        rules.replace("tqmon:window_fill_ratio:ratio < 0.9", "tqmon:window_fill_ratio:ratio < 0.4")
+    )
     (tmp_path / TESTS_FILE.name).write_text(TESTS_FILE.read_text())
     result = promtool_test(tmp_path / TESTS_FILE.name)
     assert result.returncode != 0

@@ -57,6 +57,7 @@ class FileSDTarget:
             raise FileSDError(f"--file-sd {path}: directory {path.parent} is not writable")
         self.path = path
         from_env = {label: environ[var] for var, label in ENV_LABELS.items() if environ.get(var)}
+        self.address = address
         self.group = {"targets": [address], "labels": {**from_env, **labels}}
 
     def register(self) -> None:
@@ -72,7 +73,7 @@ class FileSDTarget:
         except BaseException:
             Path(tmp).unlink(missing_ok=True)
             raise
-        log.info("registered %s in %s", self.group["targets"][0], self.path)
+        log.info("registered %s in %s", self.address, self.path)
 
     def deregister(self) -> None:
         """Remove the file: Prometheus drops the target on its next read of the directory."""
