@@ -59,6 +59,7 @@ bench: $(BIN)/tqmon
 	$(BIN)/python bench/bench_service.py
 	$(BIN)/python bench/bench_tq_poll.py
 	$(BIN)/python bench/bench_verl_plugin.py
+	$(BIN)/python bench/bench_image.py
 
 clean:
 	rm -rf $(VENV) $(CHECKOV_VENV) .pytest_cache .mypy_cache .ruff_cache tqmon-state
