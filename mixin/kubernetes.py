@@ -79,8 +79,10 @@ OVERLAYS = (
     ),
 )
 
-# Measured by bench/bench_image.py (docs/deploy.md has the table): the default variant stays under 100 MiB
-# while it ingests a 100k-line log; a Ray driver and torch in the -tq variant add a few hundred MiB.
+# bench/bench_image.py (docs/deploy.md has the table): the default variant's container holds 53 MiB idle and
+# peaks at 64 MiB while it ingests a 100k-line log, so 128 Mi requested with a 256 Mi limit leaves 2x-4x for
+# a long resume history. The -tq variant adds a Ray driver (the TQ poller's own process) and torch: its
+# figures are not measured in a container here, and 512 Mi / 1 Gi is an estimate to revisit.
 RESOURCES = {
     "": {"requests": {"cpu": "50m", "memory": "128Mi"}, "limits": {"cpu": "1", "memory": "256Mi"}},
     "-tq": {"requests": {"cpu": "100m", "memory": "512Mi"}, "limits": {"cpu": "1", "memory": "1Gi"}},
