@@ -55,6 +55,10 @@ class Overlay:
     args: tuple[str, ...]
     mounts: tuple[dict[str, Any], ...]
     run_as: int = 10001
+    # A Ray driver finds its node's raylet by scanning the processes it can see: a sidecar that joins the
+    # head's Ray must share the pod's process namespace (bench/bench_image.py: without it, ray.init fails
+    # with "No node info found").
+    share_processes: bool = False
 
     @property
     def pod_spec(self) -> str:
@@ -68,8 +72,8 @@ _RAY_MOUNTS = (
     {"name": "checkpoints", "mountPath": CHECKPOINTS, "readOnly": True},
 )
 OVERLAYS = (
-    Overlay("raycluster", "/spec/headGroupSpec/template", "-tq", _RAY_ARGS, _RAY_MOUNTS, RAY_UID),
-    Overlay("rayjob", "/spec/rayClusterSpec/headGroupSpec/template", "-tq", _RAY_ARGS, _RAY_MOUNTS, RAY_UID),
+    Overlay("raycluster", "/spec/headGroupSpec/template", "-tq", _RAY_ARGS, _RAY_MOUNTS, RAY_UID, True),
+    Overlay("rayjob", "/spec/rayClusterSpec/headGroupSpec/template", "-tq", _RAY_ARGS, _RAY_MOUNTS, RAY_UID, True),
     Overlay(
         "pod",
         "",
@@ -146,6 +150,10 @@ def sidecar_patch(overlay: Overlay) -> list[dict[str, Any]]:
         {"op": "add", "path": label_path, "value": next(iter(POD_LABEL.values()))},
         {"op": "add", "path": f"{overlay.pod_spec}/containers/-", "value": container(overlay)},
         *({"op": "add", "path": f"{overlay.pod_spec}/volumes/-", "value": volume} for volume in volumes()),
+        *(
+            [{"op": "add", "path": f"{overlay.pod_spec}/shareProcessNamespace", "value": True}]
+            * overlay.share_processes
+        ),
     ]
 
 

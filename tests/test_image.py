@@ -73,7 +73,7 @@ class Container:
         return result.stdout + result.stderr
 
     def remove(self) -> None:
-        podman("rm", "--force", "--time", "0", self.name, check=False)
+        podman("rm", "--force", "--volumes", "--time", "0", self.name, check=False)
 
 
 @pytest.fixture

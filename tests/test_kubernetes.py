@@ -167,6 +167,8 @@ def test_kuberay_head_shares_ray_logs_and_the_sidecar_follows_driver_logs(overla
     assert args[args.index("--log") + 1] == "/tmp/ray/session_latest/logs/job-driver-*.log"
     assert args[args.index("--ray-address") + 1] == "127.0.0.1:6379"
     assert sidecar["image"].endswith("-tq")
+    # tqmon's Ray driver finds the head's raylet among the processes it sees (bench/bench_image.py).
+    assert head["template"]["spec"]["shareProcessNamespace"] is True
 
 
 def test_pod_monitor_selects_the_sidecar_port_for_kube_prometheus_stack() -> None:
