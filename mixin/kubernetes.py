@@ -85,11 +85,12 @@ OVERLAYS = (
 
 # bench/bench_image.py (docs/deploy.md has the table): the default variant's container holds 53 MiB idle and
 # peaks at 64 MiB while it ingests a 100k-line log, so 128 Mi requested with a 256 Mi limit leaves 2x-4x for
-# a long resume history. The -tq variant adds a Ray driver (the TQ poller's own process) and torch: its
-# figures are not measured in a container here, and 512 Mi / 1 Gi is an estimate to revisit.
+# a long resume history. The -tq container (tqmon and its TQ poller, a Ray driver) holds 174 MiB once joined
+# to a Ray head; decoding a large kv_list reply adds to the poller (bench/bench_tq_poll.py measures it from
+# 1k to 1M keys), hence 256 Mi requested and a 1 Gi limit.
 RESOURCES = {
     "": {"requests": {"cpu": "50m", "memory": "128Mi"}, "limits": {"cpu": "1", "memory": "256Mi"}},
-    "-tq": {"requests": {"cpu": "100m", "memory": "512Mi"}, "limits": {"cpu": "1", "memory": "1Gi"}},
+    "-tq": {"requests": {"cpu": "100m", "memory": "256Mi"}, "limits": {"cpu": "1", "memory": "1Gi"}},
 }
 
 
