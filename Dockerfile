@@ -4,6 +4,7 @@
 #     Its Ray and Python must match the trainer cluster's exactly (a Ray driver refuses other versions):
 #     set BASE_IMAGE to the cluster's Python, and TORCH_VERSION / TORCH_INDEX_URL to the trainer's torch.
 #     Installing tqmon into the trainer's own image (`pip install tqmon[tq]`) matches them by construction.
+#   --build-arg TQMON_EXTRAS=otel (or tq,otel): also OTLP push (--otlp-endpoint / TQMON_OTLP_ENDPOINT).
 ARG BASE_IMAGE=python:3.11-slim
 # checkov:skip=CKV_DOCKER_7:The tag is in BASE_IMAGE's default (python:3.11-slim); checkov cannot resolve build arguments
 
@@ -34,7 +35,7 @@ LABEL org.opencontainers.image.title="tqmon" \
       org.opencontainers.image.licenses="Apache-2.0"
 COPY --from=build /wheels /tmp/wheels
 # torch first and from its CPU index: transferqueue depends on torch, and PyPI's build pulls in CUDA (GBs).
-RUN if [ "${TQMON_EXTRAS}" = "tq" ]; then \
+RUN if [ "${TQMON_EXTRAS}" != "${TQMON_EXTRAS#tq}" ]; then \
       pip install --no-cache-dir --index-url "${TORCH_INDEX_URL}" "torch==${TORCH_VERSION}"; \
     fi \
     && pip install --no-cache-dir "/tmp/wheels/tqmon-${VERSION}-py3-none-any.whl${TQMON_EXTRAS:+[${TQMON_EXTRAS}]}" \

@@ -1,6 +1,6 @@
 # Two entry points for a fresh clone: `make demo` and `make test`. Both build the venv from this
 # repository's own files; `make test` also installs the Debian packages the tests run (prometheus/promtool,
-# podman, runc, debootstrap, kubectl) when missing, and checkov in a venv of its own.
+# podman, runc, debootstrap, kubectl, chromium) when missing, and checkov in a venv of its own.
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
@@ -20,9 +20,10 @@ $(BIN)/tqmon: pyproject.toml
 	touch $@
 
 # Debian package of each command the tests run: the image test (podman, runc, debootstrap), the manifest
-# tests (kubectl) and the Prometheus tests (prometheus, promtool).
+# tests (kubectl), the unit-file test (systemd-analyze), the Prometheus tests (prometheus, promtool) and the
+# headless browser test of the status page (chromium).
 SYSTEM_DEPS := promtool:prometheus prometheus:prometheus podman:podman runc:runc debootstrap:debootstrap \
-	kubectl:kubernetes-client systemd-analyze:systemd
+	kubectl:kubernetes-client systemd-analyze:systemd chromium:chromium
 
 system-deps:
 	@missing=$$(for pair in $(SYSTEM_DEPS); do command -v $${pair%%:*} >/dev/null || echo $${pair#*:}; done | sort -u); \
@@ -52,13 +53,14 @@ unit: $(BIN)/tqmon system-deps $(CHECKOV_VENV)/bin/checkov
 test: lint typecheck unit
 
 docs: $(BIN)/tqmon
-	$(BIN)/python -m tqmon.docs && $(BIN)/python -m tqmon.rules && $(BIN)/python -m tqmon.dashboards \
+	$(BIN)/python -m mixin.docs && $(BIN)/python -m mixin.rules && $(BIN)/python -m mixin.dashboards \
 	  && $(BIN)/python -m mixin.kubernetes
 
 bench: $(BIN)/tqmon
 	$(BIN)/python bench/bench_service.py
 	$(BIN)/python bench/bench_tq_poll.py
 	$(BIN)/python bench/bench_verl_plugin.py
+	$(BIN)/python bench/bench_checkpoint_read.py
 	$(BIN)/python bench/bench_image.py
 
 clean:

@@ -30,15 +30,19 @@ import pytest
 from click.testing import CliRunner
 from prometheus_client.parser import text_string_to_metric_families
 
+from tqmon.checkpoint import layout, unpickler
+from tqmon.checkpoint.layout import read_checkpoint
+from tqmon.checkpoint.unpickler import CheckpointError
 from tqmon.cli import main
 from tqmon.composition import compose
-from tqmon.events import CheckpointSaved, TrainerConfig, parse_event
+from tqmon.events import CheckpointSaved, parse_event
 from tqmon.exporters.prometheus import build_registry, render
 from tqmon.sim.rollout import trajectory_tag
-from tqmon.sources import checkpoint as ckpt
-from tqmon.sources.checkpoint import CheckpointError, CheckpointSource, read_checkpoint
+from tqmon.snapshot import Tally
+from tqmon.sources.checkpoint import CheckpointSource
 from tqmon.store import StateStore
 from tqmon.tracker import Tracker
+from tqmon.warmup import GivenConfig, TrainerConfig
 
 os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"  # before ray is imported (in the fixture)
 
@@ -187,7 +191,7 @@ def test_allowlist_covers_a_real_controller_state_and_nothing_is_imported(saved:
     """Every global a real checkpoint references is allowed, and resolves to a stand-in, not TQ or torch."""
     seen: set[tuple[str, str]] = set()
 
-    class Recording(ckpt.RestrictedUnpickler):
+    class Recording(unpickler.RestrictedUnpickler):
         def find_class(self, module: str, name: str) -> Any:
             seen.add((module, name))
             return super().find_class(module, name)
@@ -203,12 +207,12 @@ def test_allowlist_covers_a_real_controller_state_and_nothing_is_imported(saved:
         ("torch", "int64"),
     } <= seen
     train = state["partitions"]["train"]
-    assert type(train) is ckpt.PartitionState
-    assert type(train.state["production_status"]) is ckpt.OpaqueTensor
+    assert type(train) is unpickler.PartitionState
+    assert type(train.state["production_status"]) is unpickler.OpaqueTensor
     assert train.state["field_metadata"]["rm_scores"].state["dtype"] == "torch.bfloat16"
 
     code = (
-        "import sys; from pathlib import Path; from tqmon.sources.checkpoint import read_checkpoint; "
+        "import sys; from pathlib import Path; from tqmon.checkpoint.layout import read_checkpoint; "
         f"assert read_checkpoint(Path({str(saved['root'])!r})).composition.restored == 20; "
         "print(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'transfer_queue', 'ray')))"
     )
@@ -303,7 +307,7 @@ def test_inspect_accepts_a_step_dir_and_reports_progress_for_large_checkpoints(
     assert inspect_json(str(saved["root"]), "--step", "45")["orphan_trajectories"] == 0
 
     assert "reading controller_state.pkl" not in run_inspect(str(saved["root"])).stderr  # small: no bar
-    monkeypatch.setattr(ckpt, "LARGE_CHECKPOINT_BYTES", 0)
+    monkeypatch.setattr(layout, "LARGE_CHECKPOINT_BYTES", 0)
     result = run_inspect(str(saved["root"]), "--json")
     assert "reading controller_state.pkl" in result.stderr and "classifying 46 keys" in result.stderr
     assert json.loads(result.stdout)["restored"] == 20  # the bars never reach stdout
@@ -335,7 +339,7 @@ def metrics(tracker: Tracker) -> str:
 
 def test_source_feeds_the_tracker_and_the_metrics(root: Path) -> None:
     config = TrainerConfig(train_batch_size=8, num_warmup_batches=3, max_off_policy_threshold=4)
-    tracker = Tracker(StateStore(None), flag_config=("colocate_async", config, "flags"))
+    tracker = Tracker(StateStore(None), given=GivenConfig("colocate_async", config, "flags"))
     source = CheckpointSource(root, tracker, interval=1.0)
     source.poll()
     view = tracker.snapshot.checkpoint
@@ -351,7 +355,7 @@ def test_source_feeds_the_tracker_and_the_metrics(root: Path) -> None:
     assert value(text, "tqmon_source_up", source="checkpoint") == 1
 
     source.poll()  # unchanged: nothing new is ingested
-    assert tracker.snapshot.counters["tqmon_events_total"] == {("checkpoint", "applied"): 1}
+    assert tracker.snapshot.counters[Tally.EVENTS] == {("checkpoint", "applied"): 1}
 
     (root / "latest_checkpointed_iteration.txt").write_text("45\n")
     source.poll()
@@ -360,7 +364,7 @@ def test_source_feeds_the_tracker_and_the_metrics(root: Path) -> None:
     assert dict(view.by_status or {}) == {"pending": 7, "running": 2, "finished": 9, "failure": 6}
     assert dict(view.doomed or {}) == {"failure": 6, "stale": 9, "filtered": 0}  # at step 46 every finished one
     assert view.orphan_trajectories == 0
-    assert tracker.snapshot.counters["tqmon_events_total"] == {("checkpoint", "applied"): 2}
+    assert tracker.snapshot.counters[Tally.EVENTS] == {("checkpoint", "applied"): 2}
 
 
 def doomed(tracker: Tracker) -> dict[str, int] | None:
@@ -389,7 +393,7 @@ def test_source_event_survives_restart_and_config_arriving_later(root: Path, tmp
     view = restarted.snapshot.checkpoint
     assert view is not None and view.step == 40 and view.orphan_trajectories == 3
     CheckpointSource(root, restarted).poll()  # the same checkpoint again: a duplicate, not a second event
-    assert restarted.snapshot.counters["tqmon_events_total"][("checkpoint", "duplicate")] == 1
+    assert restarted.snapshot.counters[Tally.EVENTS][("checkpoint", "duplicate")] == 1
 
 
 def test_tracker_checkpoint_saved_rules() -> None:
@@ -478,7 +482,7 @@ def test_an_allowed_global_cannot_be_reconfigured_by_build(root: Path) -> None:
     pkl(root).write_bytes(tamper)
     with pytest.raises(CheckpointError, match=r"refused to modify torch\._utils\._rebuild_tensor_v2"):
         read_checkpoint(root)
-    assert ckpt._rebuild_tensor.__defaults__ is None
+    assert unpickler._rebuild_tensor.__defaults__ is None
 
 
 @pytest.mark.parametrize(
@@ -515,14 +519,20 @@ def test_broken_checkpoint_fails_the_source_cleanly(root: Path, breakage: str, r
     snap = tracker.snapshot
     health = next(s for s in snap.sources if s.source == "checkpoint")
     assert not health.ok and message in (health.last_error or "")
-    assert snap.counters["tqmon_source_errors_total"] == {("checkpoint", reason): 2}
-    assert snap.checkpoint is None and snap.counters["tqmon_events_total"] == {}
+    assert snap.counters[Tally.SOURCE_ERRORS] == {("checkpoint", reason): 2}
+    assert snap.checkpoint is None and snap.counters[Tally.EVENTS] == {}
 
 
-def test_missing_checkpoint_dir_is_unavailable_until_the_first_save(tmp_path: Path) -> None:
-    tracker = Tracker(StateStore(None))
+def test_no_checkpoint_yet_is_a_state_not_a_failure(tmp_path: Path) -> None:
+    lines: list[str] = []
+    tracker = Tracker(StateStore(None), announce=lines.append)
     CheckpointSource(tmp_path / "nothing-yet", tracker).poll()
-    assert tracker.snapshot.counters["tqmon_source_errors_total"] == {("checkpoint", "unavailable"): 1}
+    health = next(s for s in tracker.snapshot.sources if s.source == "checkpoint")
+    assert health.ok and health.last_error is None and tracker.snapshot.counters[Tally.SOURCE_ERRORS] == {}
+    latest = tmp_path / "nothing-yet" / "latest_checkpointed_iteration.txt"
+    assert lines == [
+        f"checkpoint: no checkpoint saved yet: {latest} does not exist ({latest.parent} does not exist yet): waiting"
+    ]
 
 
 def test_serve_keeps_serving_with_a_hostile_checkpoint(root: Path, tmp_path: Path, tqmon_factory: Any) -> None:
@@ -553,3 +563,83 @@ def test_serve_keeps_serving_with_a_hostile_checkpoint(root: Path, tmp_path: Pat
     assert value(text, "tqmon_checkpoint_prompt_groups", status="failure") == 4
     assert value(text, "tqmon_checkpoint_doomed_prompt_groups", reason="stale") == 4
     assert value(text, "tqmon_checkpoint_orphan_trajectories") == 3
+
+
+# ---------------------------------------------------------------- DAPO verdicts from the storage units
+# Every trajectory above has rm_scores = three bfloat16 ones, so each finished group's "reward" (the summed
+# rm_scores) is 3.0 on both trajectories: zero variance. At step 41 with threshold 4, the 4 groups with
+# g <= 37 are stale first; the other 7 finished groups are filtered. The trajectories carry no extra_fields.
+
+
+def test_inspect_predicts_filtered_groups_from_the_storage_units(saved: dict[str, Any]) -> None:
+    args = [str(saved["root"]), *CONFIG_FLAGS, "--max-off-policy-threshold", "4", "--filter-groups"]
+    data = inspect_json(*args, "--filter-groups-metric", "reward")
+    assert data["doomed"] == {"failure": 4, "stale": 4, "filtered": 7}
+    assert data["doomed_complete"] is True
+    assert (data["useful_after_warmup"], data["under_submitted"], data["under_submitted_is_lower_bound"]) == (
+        9,
+        15,
+        False,
+    )
+    dapo = data["dapo"]
+    assert (dapo["metric"], dapo["finished_judged"], dapo["zero_variance"], dapo["zero_variance_stale"]) == (
+        "reward",
+        11,
+        11,
+        4,
+    )
+    assert (dapo["missing_metric"], dapo["trajectories_read"]) == (0, 22)
+    text = words(run_inspect(*args, "--filter-groups-metric", "reward").stdout)
+    assert "filtered 7" in text and "under-submitted by 15" in text and "at least" not in text
+
+
+def test_inspect_reports_progress_walking_large_storage_units(
+    saved: dict[str, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    args = [str(saved["root"]), *CONFIG_FLAGS, "--filter-groups", "--filter-groups-metric", "reward"]
+    assert "reading su_0_" not in run_inspect(*args).stderr  # small: no bar
+    monkeypatch.setattr(layout, "LARGE_CHECKPOINT_BYTES", 0)
+    result = run_inspect(*args, "--json")
+    assert "reading su_0_" in result.stderr
+    assert json.loads(result.stdout)["dapo"]["zero_variance"] == 11  # the bars never reach stdout
+
+
+def test_inspect_names_a_missing_metric_as_verls_first_sample_error(saved: dict[str, Any]) -> None:
+    args = [str(saved["root"]), *CONFIG_FLAGS, "--filter-groups", "--filter-groups-metric", "acc"]
+    data = inspect_json(*args)
+    assert "filtered" not in data["doomed"] and data["under_submitted_is_lower_bound"] is True
+    assert data["dapo"]["missing_metric"] == 11
+    assert any(
+        "11 finished group(s) lack DAPO metric 'acc'" in note and "RuntimeError" in note for note in data["notes"]
+    )
+
+
+def test_unreadable_storage_units_are_counted_and_the_composition_still_served(root: Path) -> None:
+    unit = next((root / "global_step_40" / "transfer_queue" / "simple_storage").glob("su_*.pkl"))
+    unit.write_bytes(unit.read_bytes()[:-100])  # truncated
+    config = TrainerConfig(train_batch_size=8, num_warmup_batches=3, filter_groups=True, filter_groups_metric="reward")
+    lines: list[str] = []
+    tracker = Tracker(StateStore(None), given=GivenConfig("colocate_async", config, "flags"), announce=lines.append)
+    CheckpointSource(root, tracker, interval=1.0, filter_metric="reward").poll()
+    text = metrics(tracker)
+    assert value(text, "tqmon_source_errors_total", reason="invalid_data", source="checkpoint") == 1
+    assert value(text, "tqmon_source_up", source="checkpoint") == 1
+    assert value(text, "tqmon_checkpoint_prompt_groups", status="finished") == 11
+    assert value(text, "tqmon_checkpoint_doomed_prompt_groups", reason="filtered") is None  # unknown, not 0
+    assert value(text, "tqmon_checkpoint_doomed_prompt_groups", reason="failure") == 4
+    assert len(lines) == 1 and lines[0].startswith("checkpoint: DAPO's filtered groups unknown: ")
+    assert "truncated pickle" in lines[0] and unit.name in lines[0]
+
+
+def test_source_exports_the_filtered_groups(root: Path) -> None:
+    config = TrainerConfig(
+        train_batch_size=8,
+        num_warmup_batches=3,
+        max_off_policy_threshold=4,
+        filter_groups=True,
+        filter_groups_metric="reward",
+    )
+    tracker = Tracker(StateStore(None), given=GivenConfig("colocate_async", config, "flags"))
+    CheckpointSource(root, tracker, interval=1.0, filter_metric="reward").poll()
+    assert doomed(tracker) == {"failure": 4, "stale": 4, "filtered": 7}
+    assert value(metrics(tracker), "tqmon_checkpoint_doomed_prompt_groups", reason="filtered") == 7

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 import signal
+import subprocess
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -13,7 +15,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.conftest import TqmonProcess
+from tests.conftest import TqmonProcess, free_port
 from tests.test_e2e import Prometheus
 from tqmon.file_sd import FileSDError, FileSDTarget, parse_labels, target_address
 
@@ -43,6 +45,25 @@ def test_a_missing_directory_is_a_usage_error(tqmon_factory: Callable[..., Tqmon
     proc = tqmon_factory(["--file-sd", str(tmp_path / "nowhere" / "t.json")])
     with pytest.raises(RuntimeError, match=r"directory .*nowhere does not exist"):
         proc.start()
+
+
+def test_the_target_file_appears_only_once_tqmon_listens(tmp_path: Path) -> None:
+    """The first scrape after the file appears is answered, never refused: the file comes after the bind."""
+    port, target = free_port(), tmp_path / "t.json"
+    command = [sys.executable, "-m", "tqmon.cli", "serve", "--listen", f"127.0.0.1:{port}"]
+    command += ["--state-dir", str(tmp_path / "state"), "--file-sd", str(target)]
+    proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 20
+        while not target.exists():
+            assert proc.poll() is None and time.monotonic() < deadline, "tqmon never wrote its target file"
+            time.sleep(0.001)
+        (address,) = json.loads(target.read_text())[0]["targets"]
+        assert httpx.get(f"http://{address}/metrics", timeout=10).status_code == 200
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=10)
+    assert not target.exists()
 
 
 def targets(prom: Prometheus) -> list[dict[str, Any]]:

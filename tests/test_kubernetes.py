@@ -18,8 +18,10 @@ import kubernetes_validate
 import pytest
 import yaml
 
+from mixin import dashboards
 from mixin import kubernetes as manifests
-from tqmon import dashboards, rules
+from tqmon import rules
+from tqmon.exporters.otlp import POD_ENV
 
 ROOT = Path(__file__).resolve().parent.parent
 OVERLAYS = {overlay.name: overlay for overlay in manifests.OVERLAYS}
@@ -65,8 +67,8 @@ def workload(overlay: str) -> dict[str, Any]:
 
 
 def test_generated_manifests_match_their_generator() -> None:
-    for path, text in manifests.rendered().items():
-        assert path.read_text() == text, f"{path} drifted: run `make docs`"
+    for relative, text in manifests.rendered().items():
+        assert (ROOT / relative).read_text() == text, f"{relative} drifted: run `make docs`"
 
 
 def test_prometheus_rule_holds_the_rules_file() -> None:
@@ -142,6 +144,13 @@ def test_sidecar_is_appended_hardened_and_keeps_state_on_a_claim(overlay: str) -
     (token,) = (e for e in sidecar["env"] if e["name"] == "TQMON_TOKEN")
     (secret,) = by_kind(render(overlay), "Secret")
     assert token["valueFrom"]["secretKeyRef"] == {"name": secret["metadata"]["name"], "key": "token"}
+    # OTLP push reads the pod's identity from these (tqmon.exporters.otlp.POD_ENV).
+    downward = {
+        e["name"]: e["valueFrom"]["fieldRef"]["fieldPath"]
+        for e in sidecar["env"]
+        if "fieldRef" in e.get("valueFrom", {})
+    }
+    assert downward == {POD_ENV["k8s.pod.name"]: "metadata.name", POD_ENV["k8s.namespace.name"]: "metadata.namespace"}
     checkpoints = next(m for m in sidecar["volumeMounts"] if m["mountPath"] == manifests.CHECKPOINTS)
     assert checkpoints["readOnly"] is True
 

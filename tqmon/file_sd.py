@@ -2,8 +2,9 @@
 
 On VMs and Slurm, where no service discovery knows the trainer's node, a Prometheus job with
 ``file_sd_configs`` over a shared directory picks up every tqmon that writes a file there, with labels for
-its run, and drops it when the file goes. The file is replaced atomically (written beside it, then
-renamed), so Prometheus never reads half a file; it is removed when tqmon stops.
+its run, and drops it when the file goes. The file is written once tqmon's socket listens, so the first
+scrape never meets a closed port; it is replaced atomically (written beside it, then renamed), so Prometheus
+never reads half a file; it is removed when tqmon stops.
 """
 
 from __future__ import annotations
@@ -51,6 +52,8 @@ class FileSDTarget:
     """One tqmon's entry in a ``file_sd`` directory."""
 
     def __init__(self, path: Path, address: str, labels: Mapping[str, str], environ: Mapping[str, str] = os.environ):
+        if path.is_dir():
+            raise FileSDError(f"--file-sd {path} is a directory: give the target file's path in it")
         if not path.parent.is_dir():
             raise FileSDError(f"--file-sd {path}: directory {path.parent} does not exist")
         if not os.access(path.parent, os.W_OK):

@@ -1,4 +1,4 @@
-"""verl 0.9.1's async warmup and first-sample eviction arithmetic, as pure functions.
+"""verl 0.9.1's trainer settings and its async warmup and first-sample eviction arithmetic, as pure functions.
 
 Everything here mirrors ``PPOTrainer._add_async_warmup_batches`` and ``ReplayBufferAsync`` of
 verl 0.9.1 line for line, so tqmon's expected numbers are verl's numbers. No I/O, no clock.
@@ -11,13 +11,22 @@ import math
 import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Annotated, Literal, get_args
 
-ASYNC_MODES = frozenset({"colocate_async", "separate_async"})
-TRAINER_MODES = frozenset({"sync", *ASYNC_MODES})
-OFF_POLICY_STRATEGIES = frozenset({"drop", "wait"})
-PROMPT_STATUSES = ("pending", "running", "finished", "failure")
+from pydantic import BaseModel, ConfigDict, Field
+
+TrainerMode = Literal["colocate_async", "separate_async", "sync"]
+TRAINER_MODES = frozenset(get_args(TrainerMode))
+ASYNC_MODES = TRAINER_MODES - {"sync"}
+OffPolicyStrategy = Literal["drop", "wait"]
+PromptStatus = Literal["pending", "running", "finished", "failure"]
+PROMPT_STATUSES: tuple[PromptStatus, ...] = get_args(PromptStatus)
 INFLIGHT_STATUSES = frozenset({"pending", "running"})
-DOOM_REASONS = ("failure", "stale", "filtered")
+DoomReason = Literal["failure", "stale", "filtered"]
+DOOM_REASONS: tuple[DoomReason, ...] = get_args(DoomReason)
+Partition = Literal["train", "val"]  # the TransferQueue partitions verl uses: training and validation
+PARTITIONS: tuple[Partition, ...] = get_args(Partition)
+SkipReason = Literal["window_full", "sync_mode", "skip_rollout_tq", "non_positive_warmup"]
 
 
 class WarmupState(enum.StrEnum):
@@ -34,30 +43,99 @@ class WarmupState(enum.StrEnum):
 
 
 @dataclass(frozen=True, slots=True)
-class WarmupConfig:
-    """The trainer settings that decide the warmup (verl config paths in the comments)."""
+class Verl:
+    """Where a trainer setting lives in verl's Hydra config (``<mode>``: the trainer mode), and its flag's help."""
 
-    trainer_mode: str  # trainer.v1.trainer_mode
-    train_batch_size: int  # data.train_batch_size
-    num_warmup_batches: float  # trainer.v1.<mode>.num_warmup_batches
-    gen_batch_size: int | None = None  # data.gen_batch_size (forced to 1 in async modes)
-    skip_rollout_tq: bool = False  # skip.rollout_tq.enable
-    max_off_policy_threshold: int | None = 8  # trainer.v1.sampler.max_off_policy_threshold
-    max_off_policy_strategy: str = "drop"  # trainer.v1.sampler.max_off_policy_strategy
-    filter_groups: bool = False  # algorithm.filter_groups.enable
+    path: str
+    help: str
 
-    def __post_init__(self) -> None:
-        if self.trainer_mode not in TRAINER_MODES:
-            raise ValueError(f"trainer_mode must be one of {sorted(TRAINER_MODES)}, got {self.trainer_mode!r}")
-        if self.train_batch_size <= 0:
-            raise ValueError(f"train_batch_size must be positive, got {self.train_batch_size}")
-        if self.gen_batch_size is not None and self.gen_batch_size <= 0:
-            raise ValueError(f"gen_batch_size must be positive or null, got {self.gen_batch_size}")
-        if self.max_off_policy_strategy not in OFF_POLICY_STRATEGIES:
-            raise ValueError(
-                f"max_off_policy_strategy must be one of {sorted(OFF_POLICY_STRATEGIES)}, "
-                f"got {self.max_off_policy_strategy!r}"
-            )
+
+class TrainerConfig(BaseModel):
+    """The verl settings that decide the warmup and the first sample's evictions.
+
+    Each is declared here once, with its verl path and default: the event schema (``run_started``'s
+    config), the Hydra reader and the CLI flags are derived from these fields.
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    train_batch_size: Annotated[
+        int,
+        Field(gt=0, description="data.train_batch_size"),
+        Verl("data.train_batch_size", "data.train_batch_size (B); needed for T."),
+    ]
+    gen_batch_size: Annotated[
+        int | None,
+        Field(gt=0, description="data.gen_batch_size (async modes force 1)"),
+        Verl("data.gen_batch_size", "data.gen_batch_size (the async modes and DAPO force 1)."),
+    ] = None
+    num_warmup_batches: Annotated[
+        float,
+        Field(description="trainer.v1.<mode>.num_warmup_batches (may be fractional)"),
+        Verl(
+            "trainer.v1.<mode>.num_warmup_batches",
+            "trainer.v1.<mode>.num_warmup_batches (may be fractional); needed for T.",
+        ),
+    ]
+    skip_rollout_tq: Annotated[
+        bool,
+        Field(description="skip.rollout_tq.enable"),
+        Verl("skip.rollout_tq.enable", "skip.rollout_tq.enable (disables the warmup)."),
+    ] = False
+    max_off_policy_threshold: Annotated[
+        int | None,
+        Field(description="trainer.v1.sampler.max_off_policy_threshold"),
+        Verl("trainer.v1.sampler.max_off_policy_threshold", "trainer.v1.sampler.max_off_policy_threshold, or 'null'."),
+    ] = 8
+    max_off_policy_strategy: Annotated[
+        OffPolicyStrategy,
+        Field(description="trainer.v1.sampler.max_off_policy_strategy"),
+        Verl(
+            "trainer.v1.sampler.max_off_policy_strategy",
+            "trainer.v1.sampler.max_off_policy_strategy (only 'drop' evicts stale groups).",
+        ),
+    ] = "drop"
+    filter_groups: Annotated[
+        bool,
+        Field(description="algorithm.filter_groups.enable"),
+        Verl("algorithm.filter_groups.enable", "algorithm.filter_groups.enable (DAPO)."),
+    ] = False
+    filter_groups_metric: Annotated[
+        str | None,
+        Field(max_length=200, description="algorithm.filter_groups.metric (the checkpoint predicts DAPO with it)"),
+        Verl(
+            "algorithm.filter_groups.metric",
+            "algorithm.filter_groups.metric: with --filter-groups, the checkpoint's storage units predict "
+            "the groups DAPO filters ('reward' reads rm_scores).",
+        ),
+    ] = None
+    rollout_n: Annotated[
+        int | None,
+        Field(gt=0, description="actor_rollout_ref.rollout.n"),
+        Verl(
+            "actor_rollout_ref.rollout.n",
+            "actor_rollout_ref.rollout.n: trajectories per prompt group; needed for the rollouts a resume wasted.",
+        ),
+    ] = None
+
+    @property
+    def dapo_metric(self) -> str | None:
+        """The metric to read from a checkpoint's storage units: only when DAPO is on and its metric is known."""
+        return self.filter_groups_metric if self.filter_groups else None
+
+    def warmup_config(self, trainer_mode: str) -> WarmupConfig:
+        return WarmupConfig(trainer_mode=trainer_mode, **self.model_dump())
+
+
+def verl_setting(name: str) -> Verl:
+    """The verl path and help of one :class:`TrainerConfig` field."""
+    return next(item for item in TrainerConfig.model_fields[name].metadata if isinstance(item, Verl))
+
+
+class WarmupConfig(TrainerConfig):
+    """The trainer settings with the trainer mode (``trainer.v1.trainer_mode``): all the warmup depends on."""
+
+    trainer_mode: TrainerMode
 
     @property
     def effective_gen_batch_size(self) -> int:
@@ -65,6 +143,19 @@ class WarmupConfig:
         if self.trainer_mode in ASYNC_MODES or self.filter_groups:
             return 1
         return self.gen_batch_size or self.train_batch_size
+
+
+@dataclass(frozen=True, slots=True)
+class GivenConfig:
+    """A trainer config tqmon was given before any ``run_started`` (which overrides it), and from where."""
+
+    trainer_mode: str
+    config: TrainerConfig
+    origin: str  # "flags" or "file:<path>"
+
+    @property
+    def warmup(self) -> WarmupConfig:
+        return self.config.warmup_config(self.trainer_mode)
 
 
 def target_window(config: WarmupConfig) -> int:
@@ -105,6 +196,17 @@ def decide_warmup(config: WarmupConfig, restored: int, *, resumed: bool) -> Warm
     return WarmupDecision(target, restored, missing, over, state, logged=True)
 
 
+def skip_reason(config: WarmupConfig) -> SkipReason:
+    """Why a warmup that submits nothing does so, in the order verl 0.9.1 checks (the ``skip_reason`` values)."""
+    if config.trainer_mode == "sync":
+        return "sync_mode"
+    if config.skip_rollout_tq:
+        return "skip_rollout_tq"
+    if config.num_warmup_batches <= 0:
+        return "non_positive_warmup"
+    return "window_full"
+
+
 def legacy_submitted(config: WarmupConfig, warmup_batches: int) -> int:
     """Prompts verl 0.9.0 submitted for ``Added {n} warmup batches``: n whole train batches, always."""
     return warmup_batches * config.train_batch_size
@@ -132,7 +234,7 @@ class RestoredGroup:
 
     status: str
     global_steps: int
-    filtered: bool = False  # DAPO would reject it (zero reward variance); only a plugin can know
+    filtered: bool = False  # DAPO would reject it (zero metric variance): a plugin's or the storage units' verdict
 
 
 def is_stale(config: WarmupConfig, group_global_steps: int, sample_step: int) -> bool:
@@ -160,7 +262,7 @@ def classify_doomed(config: WarmupConfig, groups: Iterable[RestoredGroup], check
 
     Each group counts once; the first sample after the resume happens at step N+1.
     """
-    counts = dict.fromkeys(DOOM_REASONS, 0)
+    counts: dict[str, int] = dict.fromkeys(DOOM_REASONS, 0)
     for group in groups:
         reason = doom_reason(config, group, checkpoint_step + 1)
         if reason is not None:
@@ -173,16 +275,20 @@ def known_doomed(
     statuses: Mapping[str, int] | None,
     groups: Sequence[RestoredGroup] | None,
     checkpoint_step: int,
+    *,
+    filter_verdicts: bool = False,
 ) -> dict[str, int] | None:
     """Doomed groups by the reasons what was observed can decide; None when it decides none.
 
     With the composition and the config all three are decided, except ``filtered`` under DAPO when no
-    group carries a verdict (verdicts need rewards, which only a plugin sees). With the statuses alone:
-    ``failure``, plus the reasons the config rules out.
+    group carries a verdict: ``filter_verdicts`` says every finished group's ``filtered`` flag was decided
+    from its metric (the checkpoint's storage units), so ``False`` means kept, not unknown. Without it
+    only a plugin's ``filtered=True`` decides. With the statuses alone: ``failure``, plus the reasons the
+    config rules out.
     """
     if groups is not None and config is not None:
         doomed = classify_doomed(config, groups, checkpoint_step)
-        if config.filter_groups and not any(group.filtered for group in groups):
+        if config.filter_groups and not filter_verdicts and not any(group.filtered for group in groups):
             del doomed["filtered"]
         return doomed
     known: dict[str, int] = {}
@@ -194,6 +300,46 @@ def known_doomed(
         if not config.filter_groups:
             known["filtered"] = 0
     return known or None
+
+
+def pairwise_sum(values: Sequence[float]) -> float:
+    """``numpy.add.reduce`` of a float64 array: numpy's pairwise summation, bit for bit (numpy 2.x)."""
+
+    def block(lo: int, n: int) -> float:
+        if n < 8:
+            total = 0.0
+            for i in range(lo, lo + n):
+                total += values[i]
+            return total
+        if n <= 128:
+            r = [float(v) for v in values[lo : lo + 8]]
+            i = 8
+            while i < n - n % 8:
+                for j in range(8):
+                    r[j] += values[lo + i + j]
+                i += 8
+            total = ((r[0] + r[1]) + (r[2] + r[3])) + ((r[4] + r[5]) + (r[6] + r[7]))
+            for k in range(lo + i, lo + n):
+                total += values[k]
+            return total
+        half = n // 2
+        half -= half % 8
+        return block(lo, half) + block(lo + half, n - half)
+
+    return block(0, len(values))
+
+
+def is_zero_variance(values: Sequence[float]) -> bool:
+    """verl 0.9.1's DAPO test for one finished group: ``len(values) > 1 and float(np.std(values)) == 0.0``.
+
+    ``np.std`` is zero exactly when every squared deviation from numpy's mean is zero, so the mean must be
+    numpy's: three trajectories of 0.1 have a mean of 0.10000000000000002 and are *not* filtered.
+    A NaN or an infinity makes the deviation NaN: never filtered.
+    """
+    if len(values) < 2:
+        return False
+    mean = pairwise_sum(values) / len(values)
+    return all((v - mean) * (v - mean) == 0.0 for v in values)
 
 
 def under_submitted(target: int, restored: int, doomed: int, submitted: int) -> int:
