@@ -49,7 +49,7 @@ class MetricSpec:
         return self.labels[-1]
 
 
-SOURCES = ("tq", "checkpoint", "log", "jsonl", "events")
+SOURCES = ("tq", "checkpoint", "log", "jsonl", "events", "replay_buffer")
 PARTITIONS = ("train", "val")
 WINDOW_STATUSES = ("ok", "under_filled", "over_filled", "unknown")
 TRAINER_MODES = ("colocate_async", "separate_async", "sync", "unknown")

@@ -332,6 +332,15 @@ def main() -> None:
     help="Seconds of fast polling after a resume is detected (when the window matters most).",
     env="TQ_FAST_PERIOD",
 )
+@option(
+    "--tq-cross-check-interval",
+    type=float,
+    default=600.0,
+    show_default=True,
+    help="While the verl plugin reports the window from the replay buffer's own sync (source replay_buffer), "
+    "kv_list polls only every this many seconds, as a cross-check; 0 keeps polling at the budget's interval.",
+    env="TQ_CROSS_CHECK_INTERVAL",
+)
 @trainer_config_options
 def serve(
     listen: str,
@@ -351,6 +360,7 @@ def serve(
     tq_min_interval: float,
     tq_max_interval: float,
     tq_fast_period: float,
+    tq_cross_check_interval: float,
     trainer: TrainerFlags,
 ) -> None:
     """Serve /metrics, /api/v1/status and the trainer event API (POST /api/v1/events).
@@ -378,6 +388,7 @@ def serve(
         tq_budget=PollBudget(
             budget=tq_budget, min_interval=tq_min_interval, max_interval=tq_max_interval, fast_period=tq_fast_period
         ),
+        tq_cross_check_interval=tq_cross_check_interval,
     )
     serve_forever(config, log_level)
 

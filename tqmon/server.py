@@ -128,6 +128,9 @@ def create_app(service: Service) -> FastAPI:
             "target_window": snapshot.target_window,
             "window_status": snapshot.window_status(now),
             "windows": [asdict(w) for w in snapshot.fresh_windows(now)],
+            "window_observations": [
+                asdict(w) | {"fresh_until": snapshot.fresh_until(w)} for w in snapshot.windows
+            ],  # every source's newest, the served one or not (the TQ cross-check next to the plugin's)
             "trainer_step": snapshot.trainer_step,
             "trainer_last_event": snapshot.trainer_last_event,
             "checkpoint": None if snapshot.checkpoint is None else asdict(snapshot.checkpoint),

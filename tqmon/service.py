@@ -51,6 +51,7 @@ class ServiceConfig:
     ray_address: str | None = None
     tq_timeout: float = 5.0
     tq_budget: PollBudget = field(default_factory=PollBudget)
+    tq_cross_check_interval: float = 600.0  # 0: no back-off while the verl plugin feeds the window
 
     def validate(self) -> None:
         if not is_loopback(self.host) and not self.token:
@@ -66,6 +67,8 @@ class ServiceConfig:
             raise ConfigError(f"--checkpoint-interval must be positive, got {self.checkpoint_interval}")
         if self.tq_timeout <= 0:
             raise ConfigError(f"--tq-timeout must be positive, got {self.tq_timeout}")
+        if self.tq_cross_check_interval < 0:
+            raise ConfigError(f"--tq-cross-check-interval must not be negative, got {self.tq_cross_check_interval}")
         try:
             self.tq_budget.validate()
         except ValueError as err:
@@ -108,7 +111,12 @@ class Service:
             else None
         )
         self.tq_source = (
-            TQSource(self.tracker, PollerProcess(config.ray_address, config.tq_timeout), config.tq_budget)
+            TQSource(
+                self.tracker,
+                PollerProcess(config.ray_address, config.tq_timeout),
+                config.tq_budget,
+                config.tq_cross_check_interval,
+            )
             if config.ray_address
             else None
         )

@@ -15,6 +15,7 @@ from statistics import fmean
 from typing import Any
 
 from tqmon import __version__
+from tqmon.composition import from_group_counts, window_view
 from tqmon.events import (
     CheckpointRestored,
     CheckpointSaved,
@@ -295,7 +296,7 @@ class Tracker:
         self._resumes = 0
         self._trainer_step: int | None = None
         self._trainer_last_event: float | None = None
-        self._windows: dict[str, WindowView] = {}
+        self._windows: dict[tuple[str, str], WindowView] = {}  # (source, partition) -> the newest seen
         self._checkpoint: CheckpointView | None = None
         self._checkpoint_saved: tuple[CheckpointSaved, str] | None = None  # the event behind it
         self._health: dict[str, _Health] = {}
@@ -356,14 +357,20 @@ class Tracker:
         """Persist and apply events from one source; returns (applied, duplicates)."""
         received_at = self._clock()
         counters = [("tqmon_log_lines_total", outcome, n) for outcome, n in (log_lines or {}).items() if n]
+        live = sum(map(_is_live, events))
+        if live:  # the plugin's windows are applied, never stored (it posts one every second)
+            counters.append(("tqmon_events_total", f"{source}|applied", live))
         with self._lock:
             # The events, their cursor and every counter they move commit in one transaction.
-            fresh = self._store.commit(
-                ((e, source, received_at) for e in events),
-                counters=counters,
-                cursors=cursors,
-                count_events_as="tqmon_events_total",
+            stored = iter(
+                self._store.commit(
+                    ((e, source, received_at) for e in events if not _is_live(e)),
+                    counters=counters,
+                    cursors=cursors,
+                    count_events_as="tqmon_events_total",
+                )
             )
+            fresh = [_is_live(e) or next(stored) for e in events]
             applied = 0
             for event, is_new in zip(events, fresh, strict=True):
                 if is_new:
@@ -373,8 +380,9 @@ class Tracker:
             for outcome, n in (("applied", applied), ("duplicate", duplicates)):
                 if n:
                     self._counters["tqmon_events_total"][(source, outcome)] += n
-            for _name, outcome, n in counters:
-                self._counters["tqmon_log_lines_total"][(outcome,)] += n
+            for name, outcome, n in counters:
+                if name == "tqmon_log_lines_total":
+                    self._counters[name][(outcome,)] += n
             self._publish()
             return applied, duplicates
 
@@ -422,14 +430,14 @@ class Tracker:
         """Live windows from a poll; not persisted (the next poll supersedes them)."""
         with self._lock:
             for window in windows:
-                self._windows[window.partition] = window
+                self._windows[(window.source, window.partition)] = window
             self._tq = poll
             self._publish()
 
     def drop_windows(self, source: str, poll: TQPollView | None = None) -> None:
         """Forget a source's windows at once: a lost controller's last reply must not be served as fresh."""
         with self._lock:
-            self._windows = {p: w for p, w in self._windows.items() if w.source != source}
+            self._windows = {key: w for key, w in self._windows.items() if w.source != source}
             if poll is not None:
                 self._tq = poll
             self._publish()
@@ -570,11 +578,30 @@ class Tracker:
                     self._rederive()  # the open start may have resumed from this very checkpoint
                     obs = None
             case WindowObserved():
-                self._windows[event.partition] = WindowView(event.partition, source, at, _str_keys(event.by_status))
+                self._observe_window(event, event.source_name(source), at)
                 obs = None
         if obs is not None:
             obs.evidence.append(Evidence(source, event.type, event.id, at, _describe(event)))
             self._rederive()
+
+    def _observe_window(self, event: WindowObserved, source: str, at: float) -> None:
+        """A pushed window; one with a composition gets ages like a polled one. A source named by the event
+        (the plugin's ``replay_buffer``) is a source of its own, up while its window is fresh."""
+        key = (source, event.partition)
+        if key in self._windows and self._windows[key].observed_at > at:
+            return  # a retried older post must not replace a newer window
+        if event.groups is None:
+            self._windows[key] = WindowView(event.partition, source, at, _str_keys(event.by_status))
+        else:
+            composition = from_group_counts(event.groups, event.trajectories or 0, event.orphan_trajectories or 0)
+            view = window_view(event.partition, source, composition, self._trainer_step, at)
+            self._windows[key] = replace(
+                view, trajectories=event.trajectories, orphan_trajectories=event.orphan_trajectories
+            )
+        if event.observer is not None:
+            health = self._health.setdefault(source, _Health(self._stale_after))
+            health.ok, health.last_error = True, None
+            health.last_success = max(health.last_success or at, at)
 
     def _attach(
         self, checkpoint_step: int | None, resumed: bool, at: float, accepts: Callable[[_Observed], bool]
@@ -663,6 +690,11 @@ def _corroborates(obs: _Observed, source: str, event_type: str) -> bool:
     it for this start and this one has not, so it belongs to this start rather than opening a new one."""
     reporters = {evidence.source for evidence in obs.evidence if evidence.event_type == event_type}
     return bool(reporters) and source not in reporters
+
+
+def _is_live(event: Event) -> bool:
+    """A window an observer (the verl plugin) reports about every second: applied, not persisted."""
+    return isinstance(event, WindowObserved) and event.observer is not None
 
 
 def _str_keys(counts: Mapping[Any, int]) -> dict[str, int]:

@@ -25,8 +25,8 @@ from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Any
 
-from tqmon.catalog import AGE_BUCKETS, PARTITIONS
-from tqmon.composition import Composition, CompositionError, compose
+from tqmon.catalog import PARTITIONS
+from tqmon.composition import Composition, CompositionError, compose, window_view
 from tqmon.snapshot import TQPollView, WindowView
 from tqmon.tracker import Tracker
 
@@ -35,6 +35,7 @@ CONTROLLER_NAME = "TransferQueueController"
 CONTROLLER_NAMESPACE = "transfer_queue"
 TRAIN = "train"
 MIN_HORIZON = 30.0  # seconds a poll stays fresh at least
+FEEDER = "replay_buffer"  # the source (the verl plugin) whose fresh window turns the poll into a cross-check
 STARTUP_GRACE = 60.0  # a new poller process imports Ray and TransferQueue and joins the cluster
 log = logging.getLogger(__name__)
 
@@ -87,6 +88,19 @@ class PollBudget:
         return None if self.cost is None else self.cost / (self.cost + interval)
 
 
+def poll_delay(now: float, last_poll: float, interval: float, fed_until: float | None, cross_check: float) -> float:
+    """Seconds until the next ``kv_list`` (0: poll now); the whole cross-check policy, without I/O.
+
+    Normally the next poll comes ``interval`` (the budget's choice) after the last. While another source's
+    window is fresh (until ``fed_until``: the verl plugin reports the replay buffer's own view), the trainer
+    already paid for that view, so the poll becomes a cross-check every ``cross_check`` seconds, and polling
+    resumes once that window goes stale. ``cross_check`` 0 switches the back-off off.
+    """
+    if fed_until is None or now >= fed_until or cross_check <= 0:
+        return max(0.0, last_poll + interval - now)
+    return max(0.0, min(last_poll + max(interval, cross_check), fed_until) - now)
+
+
 def compose_partitions(reply: dict[str, dict[str, Any]]) -> tuple[dict[str, Composition], int]:
     """``train`` and ``val`` of one ``kv_list`` reply, and the reply's key count."""
     return {p: compose(reply.get(p) or {}) for p in PARTITIONS}, sum(len(tags) for tags in reply.values())
@@ -95,9 +109,8 @@ def compose_partitions(reply: dict[str, dict[str, Any]]) -> tuple[dict[str, Comp
 def windows_of(
     compositions: dict[str, Composition], trainer_step: int | None, observed_at: float, max_age: float | None = None
 ) -> list[WindowView]:
-    """The live windows. Ages are the trainer step minus each group's tag ``global_steps``; without a
-    trainer step from another source, the newest tag stands in for it."""
-    return [_window(p, c, trainer_step, observed_at, max_age) for p, c in compositions.items()]
+    """The live windows of one poll (see :func:`tqmon.composition.window_view` for the ages)."""
+    return [window_view(p, SOURCE, c, trainer_step, observed_at, max_age) for p, c in compositions.items()]
 
 
 def windows_from(
@@ -105,24 +118,6 @@ def windows_from(
 ) -> tuple[list[WindowView], int]:
     compositions, keys = compose_partitions(reply)
     return windows_of(compositions, trainer_step, observed_at, max_age), keys
-
-
-def _window(
-    partition: str, c: Composition, trainer_step: int | None, observed_at: float, max_age: float | None
-) -> WindowView:
-    step = trainer_step if trainer_step is not None else c.newest_step
-    buckets, age_sum = c.age_histogram(step, AGE_BUCKETS) if step is not None else (None, None)
-    return WindowView(
-        partition,
-        SOURCE,
-        observed_at,
-        c.by_status,
-        trajectories=c.trajectories,
-        orphan_trajectories=c.orphan_trajectories,
-        age_buckets=buckets,
-        age_sum=age_sum,
-        max_age=max_age,
-    )
 
 
 class ControllerClient:
@@ -317,10 +312,11 @@ class PollerProcess:
 class TQSource:
     """Polls the controller on a thread; publishes live windows, or drops them the moment it is lost."""
 
-    def __init__(self, tracker: Tracker, poller: PollerProcess, budget: PollBudget) -> None:
+    def __init__(self, tracker: Tracker, poller: PollerProcess, budget: PollBudget, cross_check: float = 600.0) -> None:
         self.tracker = tracker
         self.poller = poller
         self.budget = budget
+        self.cross_check = cross_check  # seconds between polls while the plugin feeds the window; 0: no back-off
         self.controller_id: str | None = None
         self._records_seen = tracker.snapshot.records_total
         self._epochs = tracker.controller_epochs()
@@ -339,8 +335,14 @@ class TQSource:
         self._thread.join(timeout=15)
 
     def _run(self) -> None:
+        last_poll, interval = -float("inf"), 0.0
         while not self._stop.is_set():
-            self._stop.wait(self.poll())
+            fed_until = self.tracker.snapshot.window_fresh_until(FEEDER)
+            delay = poll_delay(time.time(), last_poll, interval, fed_until, self.cross_check)
+            if delay > 0:
+                self._stop.wait(delay)  # woken early only to stop; the decision is re-made after it
+                continue
+            last_poll, interval = time.time(), self.poll()
 
     def poll(self) -> float:
         """One poll; returns the seconds to wait before the next. Never raises."""
@@ -353,8 +355,11 @@ class TQSource:
             self.budget.record(reading.cost)
             snapshot = self.tracker.snapshot
             interval = self.budget.interval(time.time(), reading.cost)
-            horizon = self.horizon(interval)
-            windows = windows_of(reading.compositions, snapshot.trainer_step, time.time(), horizon)
+            cross_check = self._cross_checking(snapshot.window_fresh_until(FEEDER))
+            # A cross-check's window is served like any poll's; the source stays up until the next cross-check.
+            windows = windows_of(reading.compositions, snapshot.trainer_step, time.time(), self.horizon(interval))
+            effective = max(interval, self.cross_check) if cross_check else interval
+            horizon = self.horizon(effective)
         except (TQUnavailable, TimeoutError, CompositionError) as err:
             return self._failed(err, time.monotonic() - started)
         except Exception as err:  # a bug must not kill the thread or leave stale windows served
@@ -362,7 +367,7 @@ class TQSource:
             return self._failed(err, time.monotonic() - started)
         self._maybe_hurry(snapshot.records_total)
         self._lost = False
-        self.tracker.observe_windows(windows, self._view(interval, reading.keys))
+        self.tracker.observe_windows(windows, self._view(effective, reading.keys, cross_check))
         self.tracker.source_succeeded(SOURCE, time.monotonic() - started, stale_after=horizon)
         return interval
 
@@ -395,7 +400,10 @@ class TQSource:
         self.tracker.source_failed(SOURCE, reason, f"{type(err).__name__}: {err}", duration=duration)
         return min(interval, self.budget.max_interval)
 
-    def _view(self, interval: float, keys: int | None) -> TQPollView:
+    def _cross_checking(self, fed_until: float | None) -> bool:
+        return self.cross_check > 0 and fed_until is not None and time.time() < fed_until
+
+    def _view(self, interval: float, keys: int | None, cross_check: bool = False) -> TQPollView:
         return TQPollView(
             controller_id=self.controller_id,
             epochs=self._epochs,
@@ -403,4 +411,5 @@ class TQSource:
             busy_ratio=self.budget.busy_ratio(interval),
             reply_keys=keys,
             fast_until=self.budget.fast_until or None,
+            cross_check=cross_check,
         )
