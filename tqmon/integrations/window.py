@@ -9,10 +9,10 @@ partition, the prompt keys by status (``pending_keys`` … ``failure_keys``), ea
 Framework-agnostic apart from those attribute names; ``tqmon.integrations.verl`` finds the buffer and calls
 :meth:`WindowReporter.synced` after each sync and :meth:`WindowReporter.sampled` after a batch is taken.
 
-Cost on the trainer's thread, per sync: O(prompt groups) in C-level primitives (one ``Counter`` update per status
-set, a copy of the prompt keys) plus a C-level copy of the trajectory key list. The orphan count (one split and
-one lookup per trajectory key), building the events and posting them run on the reporter's own thread, at most
-once per ``interval``: a newer sync replaces a view not yet posted (the latest wins).
+Cost on the trainer's thread, per sync: C-level copies of the prompt keys' sets and steps (O(prompt groups)) and
+of the trajectory key list. Counting by status and step, the orphan count (one split and one lookup per
+trajectory key), building the events and posting them run on the reporter's own thread, at most once per
+``interval``: a newer sync replaces a view not yet posted (the latest wins).
 """
 
 from __future__ import annotations
@@ -41,22 +41,39 @@ _UID = itemgetter(0)
 
 @dataclass(frozen=True, slots=True)
 class BufferView:
-    """One partition of the replay buffer right after a sync, copied so verl may mutate its sets again."""
+    """One partition of the replay buffer right after a sync, copied so verl may change its sets again.
+
+    Only copies are made on the trainer's thread; counting and the orphans happen when the reporter's thread
+    builds the event (:meth:`event`).
+    """
 
     partition: str
     at: float  # wall-clock time of the sync
-    groups: Mapping[tuple[str, int], int]  # (status, global_steps) -> prompt groups
-    prompt_keys: frozenset[str]
+    steps: Mapping[str, int]  # prompt key -> global_steps
+    by_status: tuple[tuple[str, frozenset[str]], ...]  # (status, prompt keys), in PROMPT_STATUSES order
     trajectory_keys: list[str]
+    removed: frozenset[str] = frozenset()  # prompt keys verl cleared from TransferQueue after the sync
+
+    def groups(self) -> Counter[tuple[str, int]]:
+        """Prompt groups by (status, global_steps)."""
+        groups: Counter[tuple[str, int]] = Counter()
+        for status, keys in self.by_status:
+            groups.update(zip(repeat(status), map(self.steps.__getitem__, keys - self.removed)))
+        return groups
 
     def orphans(self) -> int:
-        """Trajectory keys whose uid has no prompt key: O(trajectories), so off the trainer's thread."""
+        """Trajectory keys whose uid has no prompt key: one split and one lookup per trajectory key."""
         owners = map(_UID, map(str.partition, self.trajectory_keys, repeat("_")))
-        return len(self.trajectory_keys) - sum(map(self.prompt_keys.__contains__, owners))
+        if self.removed:
+            owned = sum(1 for uid in owners if uid in self.steps and uid not in self.removed)
+        else:
+            owned = sum(map(self.steps.__contains__, owners))
+        return len(self.trajectory_keys) - owned
 
     def event(self, event_id: str) -> WindowObserved:
+        groups = self.groups()
         by_status = dict.fromkeys(PROMPT_STATUSES, 0)
-        for (status, _), count in self.groups.items():
+        for (status, _), count in groups.items():
             by_status[status] += count
         return WindowObserved(
             id=event_id,
@@ -65,7 +82,7 @@ class BufferView:
             by_status=by_status,
             groups=[
                 GroupCount(status=status, global_steps=steps, count=count)
-                for (status, steps), count in sorted(self.groups.items(), key=lambda item: (item[0][1], item[0][0]))
+                for (status, steps), count in sorted(groups.items(), key=lambda item: (item[0][1], item[0][0]))
             ],
             trajectories=len(self.trajectory_keys),
             orphan_trajectories=self.orphans(),
@@ -75,16 +92,16 @@ class BufferView:
 
 def read_buffer(buffer: Any, partition: str, at: float, removed: Collection[str] = ()) -> BufferView:
     """``partition`` of a verl replay buffer after its sync, without the prompt keys in ``removed`` (a batch
-    just taken: verl cleared those keys from TransferQueue but not from its sets). Reads with ``.get`` only:
-    indexing verl's defaultdicts would add entries to them."""
-    steps: Mapping[str, int] = buffer.prompt_global_steps.get(partition, {})
-    gone = frozenset(removed)
-    groups: Counter[tuple[str, int]] = Counter()
-    for status in PROMPT_STATUSES:
-        keys = getattr(buffer, f"{status}_keys").get(partition, ())
-        groups.update(zip(repeat(status), map(steps.__getitem__, keys - gone if gone else keys)))
-    trajectories = list(buffer.partitions.get(partition, ()))
-    return BufferView(partition, at, dict(groups), frozenset(steps) - gone, trajectories)
+    just taken: verl cleared those keys from TransferQueue but not from its sets). C-level copies only, read
+    with ``.get``: indexing verl's defaultdicts would add entries to them."""
+    return BufferView(
+        partition,
+        at,
+        dict(buffer.prompt_global_steps.get(partition, {})),
+        tuple((status, frozenset(getattr(buffer, f"{status}_keys").get(partition, ()))) for status in PROMPT_STATUSES),
+        list(buffer.partitions.get(partition, ())),
+        frozenset(removed),
+    )
 
 
 class WindowReporter:
