@@ -17,6 +17,7 @@ import pytest
 from tqmon.composition import compose
 from tqmon.events import Event, WindowObserved, parse_event
 from tqmon.integrations.window import WindowReporter, read_buffer
+from tqmon.service import ConfigError, ServiceConfig
 from tqmon.sources.tq import poll_delay
 from tqmon.store import StateStore
 from tqmon.tracker import Tracker
@@ -205,3 +206,8 @@ def test_the_poll_backs_off_to_a_cross_check_while_the_plugin_feeds_the_window(
     now: float, last: float, interval: float, fed_until: float | None, cross_check: float, delay: float
 ) -> None:
     assert poll_delay(now, last, interval, fed_until, cross_check) == pytest.approx(delay)
+
+
+def test_a_negative_cross_check_interval_is_refused_by_name() -> None:
+    with pytest.raises(ConfigError, match="--tq-cross-check-interval must not be negative, got -1"):
+        ServiceConfig(tq_cross_check_interval=-1.0).validate()

@@ -411,6 +411,12 @@ class Tracker:
             )
             self._publish()
 
+    def source_expected(self, source: str, stale_after: float) -> None:
+        """The source will next succeed later than usual, on purpose (a poll backing off): move its horizon."""
+        with self._lock:
+            self._health[source].stale_after = stale_after
+            self._publish()
+
     def source_failed(self, source: str, reason: str, message: str, *, duration: float | None = None) -> None:
         with self._lock:
             health = self._health[source]

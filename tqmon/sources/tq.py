@@ -321,6 +321,9 @@ class TQSource:
         self._records_seen = tracker.snapshot.records_total
         self._epochs = tracker.controller_epochs()
         self._lost = False
+        self._ok = False  # the last poll succeeded: only then may the poll back off to a cross-check
+        self._holding = False  # backing off for the plugin's window since the last poll
+        self._keys: int | None = None  # keys in the last reply
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="tqmon-tq", daemon=True)
         tracker.register_source(SOURCE, stale_after=self.horizon(budget.max_interval))
@@ -338,10 +341,14 @@ class TQSource:
         last_poll, interval = -float("inf"), 0.0
         while not self._stop.is_set():
             fed_until = self.tracker.snapshot.window_fresh_until(FEEDER)
-            delay = poll_delay(time.time(), last_poll, interval, fed_until, self.cross_check)
+            cross_check = self.cross_check if self._ok else 0.0  # a failed poll is retried at the usual pace
+            delay = poll_delay(time.time(), last_poll, interval, fed_until, cross_check)
             if delay > 0:
+                if self._ok and self._cross_checking(fed_until) and not self._holding:
+                    self._hold(interval)
                 self._stop.wait(delay)  # woken early only to stop; the decision is re-made after it
                 continue
+            self._holding = False
             last_poll, interval = time.time(), self.poll()
 
     def poll(self) -> float:
@@ -366,7 +373,7 @@ class TQSource:
             log.exception("tq poll failed")
             return self._failed(err, time.monotonic() - started)
         self._maybe_hurry(snapshot.records_total)
-        self._lost = False
+        self._lost, self._ok, self._keys = False, True, reading.keys
         self.tracker.observe_windows(windows, self._view(effective, reading.keys, cross_check))
         self.tracker.source_succeeded(SOURCE, time.monotonic() - started, stale_after=horizon)
         return interval
@@ -392,6 +399,7 @@ class TQSource:
 
     def _failed(self, err: Exception, duration: float) -> float:
         reason = {TimeoutError: "timeout", CompositionError: "invalid_data"}.get(type(err), "unavailable")
+        self._ok = False
         if not self._lost and self.controller_id is not None:
             self._lost = True
             self.budget.hurry(time.time())  # a lost controller usually means a restart is coming: watch closely
@@ -399,6 +407,14 @@ class TQSource:
         self.tracker.drop_windows(SOURCE, self._view(interval, None))
         self.tracker.source_failed(SOURCE, reason, f"{type(err).__name__}: {err}", duration=duration)
         return min(interval, self.budget.max_interval)
+
+    def _hold(self, interval: float) -> None:
+        """The poll backs off for the plugin's window: say so, and stay up until the cross-check is overdue."""
+        self._holding = True
+        effective = max(interval, self.cross_check)
+        self.tracker.observe_windows((), self._view(effective, self._keys, cross_check=True))
+        self.tracker.source_expected(SOURCE, self.horizon(effective))
+        log.info("the verl plugin reports the window: kv_list only every %g s, as a cross-check", self.cross_check)
 
     def _cross_checking(self, fed_until: float | None) -> bool:
         return self.cross_check > 0 and fed_until is not None and time.time() < fed_until
