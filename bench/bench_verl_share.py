@@ -14,8 +14,10 @@ sync loop as ``wait_for_sampleable`` does while it waits: ``get_sampleable_count
 - ``+ tqmon plugin``: the same tqmon with the verl plugin's ``WindowReporter`` watching the replay buffer
   (the window from verl's own sync); measured once tqmon has switched to its 10-minute cross-check.
 
-The controller's busy share is its process CPU time (``/proc/<pid>/stat`` utime + stime) over the phase, minus
-the idle controller's (measured first); tqmon's share is the phase's share minus ``verl alone``'s. tqmon's
+The controller's busy share is its process CPU time (``/proc/<pid>/stat`` utime + stime, 10 ms ticks) over the
+phase; ``- idle`` subtracts the idle controller's (measured first, with the put probe running); tqmon's share is
+the phase's minus ``verl alone``'s (at 1k keys both are within a few ticks: noise), next to tqmon's own estimate
+of its share (``tqmon_tq_controller_busy_ratio``: measured ``kv_list`` cost over its interval). tqmon's
 ``kv_list`` calls are counted from its TQ source's successes (``/api/v1/status`` read 4 times a second).
 Meanwhile the trainer's 1-tag ``kv_batch_put`` (a status update, verl's most frequent TQ call) is timed
 10 times a second: its p95 per phase.
@@ -67,6 +69,7 @@ class Phase:
     puts: list[float] = field(default_factory=list)
     syncs: list[float] = field(default_factory=list)  # seconds per verl sync (kv_list + verl's own loop)
     tqmon_polls: int | None = None
+    tqmon_estimate: float | None = None  # tqmon's own busy-ratio estimate for its polling (cost / interval)
     plugin_posts: int | None = None
 
     @property
@@ -194,6 +197,8 @@ def measure(trainer: Trainer, buffer: Any | None, name: str, seconds: float, tqm
         loops.append(Background(sync, POLL_INTERVAL))
     if tqmon is not None:
         loops.append(Background(tqmon.count_polls, STATUS_EVERY))
+    if tqmon is not None:
+        tqmon.count_polls()  # the poll before the phase is not the phase's
     polls_before = len(tqmon.successes) if tqmon is not None else 0
     cpu, started = cpu_seconds(trainer.controller_pid), time.monotonic()
     with ExitStack() as running:
@@ -205,6 +210,7 @@ def measure(trainer: Trainer, buffer: Any | None, name: str, seconds: float, tqm
     if tqmon is not None:
         tqmon.count_polls()
         phase.tqmon_polls = len(tqmon.successes) - polls_before
+        phase.tqmon_estimate = tqmon.status()["tq"]["busy_ratio"]
     return phase
 
 
@@ -250,11 +256,13 @@ def size_table(size: int, phases: list[Phase]) -> str:
                 f"{100 * added:+.2f}" if added is not None else "-",
                 f"{added / verl_share:+.1%}" if added is not None and verl_share > 0 else "-",
                 "-" if phase.tqmon_polls is None else str(phase.tqmon_polls),
+                "-" if phase.tqmon_estimate is None else f"{100 * phase.tqmon_estimate:.3f}",
                 f"{1e3 * statistics.median(phase.syncs):,.1f}" if phase.syncs else "-",
                 f"{1e3 * percentile(phase.puts, 95):,.2f}" if len(phase.puts) >= 20 else "-",
             ]
         )
-    header = ["phase", "ctrl CPU %", "- idle %", "tqmon %", "of verl's", "tqmon polls", "verl sync ms", "put p95 ms"]
+    header = ["phase", "ctrl CPU %", "- idle %", "tqmon %", "of verl's", "tqmon polls", "tqmon est. %"]
+    header += ["verl sync ms", "put p95 ms"]
     notes = f"{phases[-1].plugin_posts} plugin window posts; phases of {phases[1].seconds:.0f} s"
     return table(f"{size:,} keys in train (verl's sync every {POLL_INTERVAL:g} s)", header, rows) + notes + "\n"
 
