@@ -21,6 +21,12 @@ of its share (``tqmon_tq_controller_busy_ratio``: measured ``kv_list`` cost over
 ``kv_list`` calls are counted from its TQ source's successes (``/api/v1/status`` read 4 times a second).
 Meanwhile the trainer's 1-tag ``kv_batch_put`` (a status update, verl's most frequent TQ call) is timed
 10 times a second: its p95 per phase.
+
+A phase is too short to see tqmon's sparse polls in the controller's CPU time (at 100k keys the 1% budget
+polls about once a minute, and a tick is 10 ms), so each size also starts with a calibration: the controller's
+CPU time per verl sync and per tqmon ``kv_list``, from calls back to back. Shares are then CPU per call times
+calls per second, at the rates measured in the phases (verl: one sync per ``poll_interval`` after the previous
+returned; tqmon: the interval it chose, or its cross-check with the plugin).
 """
 
 from __future__ import annotations
@@ -70,6 +76,7 @@ class Phase:
     syncs: list[float] = field(default_factory=list)  # seconds per verl sync (kv_list + verl's own loop)
     tqmon_polls: int | None = None
     tqmon_estimate: float | None = None  # tqmon's own busy-ratio estimate for its polling (cost / interval)
+    tqmon_interval: float | None = None  # the poll interval tqmon chose (the cross-check's, with the plugin)
     plugin_posts: int | None = None
 
     @property
@@ -210,7 +217,8 @@ def measure(trainer: Trainer, buffer: Any | None, name: str, seconds: float, tqm
     if tqmon is not None:
         tqmon.count_polls()
         phase.tqmon_polls = len(tqmon.successes) - polls_before
-        phase.tqmon_estimate = tqmon.status()["tq"]["busy_ratio"]
+        poll = tqmon.status()["tq"]
+        phase.tqmon_estimate, phase.tqmon_interval = poll["busy_ratio"], poll["interval"]
     return phase
 
 
@@ -231,18 +239,57 @@ def plugin_phase(trainer: Trainer, workdir: Path, seconds: float) -> Phase:
     return phase
 
 
-def run_size(trainer: Trainer, size: int, workdir: Path, seconds: float) -> list[Phase]:
+@dataclass(frozen=True)
+class Calibration:
+    """Controller CPU seconds per call, each from calls back to back on a quiet controller (minus idle)."""
+
+    verl_sync: float
+    tqmon_kv_list: float
+    calls: int
+
+
+def calibrate(trainer: Trainer, buffer: Any, size: int) -> Calibration:
+    """What one verl sync and one tqmon poll cost the controller: its CPU time over ``calls`` of each (enough
+    for many 10 ms ticks at every size), minus what the idle controller burns in the same time."""
+    from tqmon.sources.tq import ControllerClient
+
+    calls = max(5, min(500, 2_000_000 // size))
+    client = ControllerClient(trainer.gcs, 120.0)
+    client.find()
+    try:
+        idle = controller_cpu_during(trainer, lambda: time.sleep(2.0)) / 2.0
+
+        def per_call(call: Callable[[], object]) -> float:
+            started = time.monotonic()
+            cpu = controller_cpu_during(trainer, lambda: [call() for _ in range(calls)])
+            return max(0.0, cpu - idle * (time.monotonic() - started)) / calls
+
+        verl = per_call(lambda: buffer.get_sampleable_count(STEP, "train"))
+        tqmon = per_call(lambda: client.kv_list(120.0))
+    finally:
+        client.close()
+    return Calibration(verl, tqmon, calls)
+
+
+def controller_cpu_during(trainer: Trainer, work: Callable[[], object]) -> float:
+    cpu = cpu_seconds(trainer.controller_pid)
+    work()
+    return cpu_seconds(trainer.controller_pid) - cpu
+
+
+def run_size(trainer: Trainer, size: int, workdir: Path, seconds: float) -> tuple[list[Phase], Calibration]:
     trainer.grow_to(size)
     buffer = replay_buffer()
+    calibration = calibrate(trainer, buffer, size)
     phases = [measure(trainer, None, "controller idle", seconds)]
     phases.append(measure(trainer, buffer, "verl alone", seconds))
     with tqmon_running(trainer.gcs, workdir) as tqmon:
         phases.append(measure(trainer, buffer, "+ tqmon poll (1% budget)", seconds, tqmon))
     phases.append(plugin_phase(trainer, workdir, seconds))
-    return phases
+    return phases, calibration
 
 
-def size_table(size: int, phases: list[Phase]) -> str:
+def size_table(size: int, phases: list[Phase], calibration: Calibration) -> str:
     idle, verl = phases[0], phases[1]
     verl_share = verl.share - idle.share
     rows = []
@@ -263,7 +310,22 @@ def size_table(size: int, phases: list[Phase]) -> str:
         )
     header = ["phase", "ctrl CPU %", "- idle %", "tqmon %", "of verl's", "tqmon polls", "tqmon est. %"]
     header += ["verl sync ms", "put p95 ms"]
-    notes = f"{phases[-1].plugin_posts} plugin window posts; phases of {phases[1].seconds:.0f} s"
+    sync = statistics.median(verl.syncs)
+    polled, fed = phases[2], phases[3]
+    # Controller CPU per call times calls per second: verl syncs every poll_interval after its sync returns,
+    # tqmon every interval it chose (with the plugin: every cross-check).
+    verl_rate = calibration.verl_sync / (sync + POLL_INTERVAL)
+    poll_rate = calibration.tqmon_kv_list / (polled.tqmon_interval or float("inf"))
+    fed_rate = calibration.tqmon_kv_list / (fed.tqmon_interval or float("inf"))
+    notes = (
+        f"controller CPU per call ({calibration.calls} calls each): verl sync {1e3 * calibration.verl_sync:.2f} ms, "
+        f"tqmon kv_list {1e3 * calibration.tqmon_kv_list:.2f} ms\n"
+        f"controller share = CPU per call x calls per second: verl {100 * verl_rate:.3f}% (a sync every "
+        f"{sync + POLL_INTERVAL:.2f} s); tqmon without the plugin {100 * poll_rate:.4f}% (every "
+        f"{polled.tqmon_interval or 0:.1f} s) = {poll_rate / verl_rate:.1%} of verl's; with the plugin "
+        f"{100 * fed_rate:.5f}% (a cross-check every {fed.tqmon_interval or 0:.0f} s) = {fed_rate / verl_rate:.2%}\n"
+        f"{phases[-1].plugin_posts} plugin window posts; phases of {phases[1].seconds:.0f} s"
+    )
     return table(f"{size:,} keys in train (verl's sync every {POLL_INTERVAL:g} s)", header, rows) + notes + "\n"
 
 
@@ -278,7 +340,7 @@ def main() -> None:
         with tempfile.TemporaryDirectory(prefix="tqmon-bench-share-") as name:
             trainer = Trainer(max(sizes))
             for size in sizes:
-                print(size_table(size, run_size(trainer, size, Path(name), args.seconds)), flush=True)
+                print(size_table(size, *run_size(trainer, size, Path(name), args.seconds)), flush=True)
     except KeyboardInterrupt:
         print("interrupted; cleaning up", flush=True)
     finally:
