@@ -41,11 +41,11 @@ from typing import Any
 os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"  # keep Ray on 127.0.0.1; before ray is imported
 
 import httpx
-from bench_service import free_port, percentile, table
+from bench_service import free_port, percentile, stop_process, table
 
 from tqmon.composition import attribute, classify_keys
 from tqmon.sim.rollout import trajectory_tag
-from tqmon.sources.tq import ControllerClient, PollBudget, windows_from
+from tqmon.sources.tq import ControllerClient, PollBudget, PollSettings, windows_from
 
 DEFAULT_SIZES = (1_000, 10_000, 100_000, 1_000_000)
 PUT_CHUNK = 10_000  # keys per kv_batch_put while filling
@@ -171,17 +171,29 @@ def mib(size: int | None) -> str:
     return "n/a" if size is None else f"{size / 2**20:,.0f}"
 
 
-class Tqmon:
-    """``tqmon serve --ray-address`` joining this cluster as a subprocess, polling as fast as it can."""
+FAST_POLLING = (
+    "--tq-budget",
+    "1",
+    "--tq-min-interval",
+    "0.5",
+    "--tq-max-interval",
+    "0.5",
+    "--tq-timeout",
+    str(CALL_TIMEOUT),
+)
 
-    def __init__(self, gcs: str, workdir: Path) -> None:
+
+class Tqmon:
+    """``tqmon serve --ray-address`` joining this cluster as a subprocess, polling as fast as it can (or as
+    ``polling`` says)."""
+
+    def __init__(self, gcs: str, workdir: Path, polling: Sequence[str] = FAST_POLLING) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.out = workdir / f"tqmon-{self.port}.out"
         command = [sys.executable, "-m", "tqmon.cli", "serve", "--listen", f"127.0.0.1:{self.port}"]
         command += ["--state-dir", str(workdir / f"state-{self.port}"), "--log-level", "warning"]
-        command += ["--ray-address", gcs, "--tq-budget", "1", "--tq-min-interval", "0.5", "--tq-max-interval", "0.5"]
-        command += ["--tq-timeout", str(CALL_TIMEOUT)]
+        command += ["--ray-address", gcs, *polling]
         with self.out.open("ab") as out:
             # os.environ carries RAY_AUTH_MODE=token (set by ray.init) so the subprocess may join.
             self.proc = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=os.environ)
@@ -208,13 +220,7 @@ class Tqmon:
         raise TimeoutError(f"tqmon did not read {keys:,} keys in time: {self.out.read_text()[-2000:]}")
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        stop_process(self.proc, timeout=30)
 
 
 @contextmanager
@@ -331,7 +337,7 @@ def measure(trainer: Trainer, client: ControllerClient, size: int, workdir: Path
     time_aggregation(result, time_kv_list(result, trainer, client))  # the reply is freed before tqmon starts
     result.span = span = poll_cycles(statistics.median(result.client_list))
 
-    budget = PollBudget(budget=0.01)
+    budget = PollBudget(PollSettings(budget=0.01))
     for cost in result.client_list:
         budget.record(cost)
     steady = budget.interval(now=0.0, last_cost=result.client_list[-1])

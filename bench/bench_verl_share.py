@@ -34,8 +34,6 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import subprocess
-import sys
 import tempfile
 import threading
 import time
@@ -47,8 +45,9 @@ from typing import Any
 
 os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"  # keep Ray on 127.0.0.1; before ray is imported
 
+import bench_tq_poll
 import httpx
-from bench_service import free_port, percentile, table
+from bench_service import percentile, table
 from bench_tq_poll import STEP, Trainer, close_cluster
 
 DEFAULT_SIZES = (1_000, 10_000, 100_000)
@@ -120,18 +119,11 @@ def replay_buffer() -> Any:
     )
 
 
-class Tqmon:
+class Tqmon(bench_tq_poll.Tqmon):
     """``tqmon serve --ray-address`` with its default polling, as a subprocess."""
 
     def __init__(self, gcs: str, workdir: Path) -> None:
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.out = workdir / f"tqmon-{self.port}.out"
-        command = [sys.executable, "-m", "tqmon.cli", "serve", "--listen", f"127.0.0.1:{self.port}"]
-        command += ["--state-dir", str(workdir / f"state-{self.port}"), "--log-level", "warning"]
-        command += ["--ray-address", gcs, "--tq-fast-period", "0", "--tq-timeout", "30"]
-        with self.out.open("ab") as out:
-            self.proc = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=os.environ)
+        super().__init__(gcs, workdir, ("--tq-fast-period", "0", "--tq-timeout", "30"))
         self.http = httpx.Client(base_url=self.url, timeout=30)
         self.successes: set[float] = set()
 
@@ -163,13 +155,7 @@ class Tqmon:
 
     def stop(self) -> None:
         self.http.close()
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        super().stop()
 
 
 @contextmanager

@@ -18,7 +18,8 @@ from tqmon.composition import compose
 from tqmon.events import Event, WindowObserved, parse_event
 from tqmon.integrations.window import WindowReporter, read_buffer
 from tqmon.service import ConfigError, ServiceConfig
-from tqmon.sources.tq import poll_delay
+from tqmon.snapshot import Tally
+from tqmon.sources.tq import PollSettings, poll_delay
 from tqmon.store import StateStore
 from tqmon.tracker import Tracker
 
@@ -155,12 +156,12 @@ def test_the_plugin_window_is_a_live_source_with_ages_and_is_not_stored(tmp_path
     health = {s.source: s for s in snapshot.sources}["replay_buffer"]
     assert health.up(1000.0) and not health.up(1061.0)
     assert snapshot.window_fresh_until("replay_buffer") == 1060.0
-    assert snapshot.counters["tqmon_events_total"][("events", "applied")] == 2
+    assert snapshot.counters[Tally.EVENTS][("events", "applied")] == 2
 
     restarted = Tracker(StateStore(tmp_path), stale_after=60, clock=lambda: now[0])
     assert restarted.replay() == 1  # the step, not the live window
     assert restarted.snapshot.windows == ()
-    assert restarted.snapshot.counters["tqmon_events_total"][("events", "applied")] == 2
+    assert restarted.snapshot.counters[Tally.EVENTS][("events", "applied")] == 2
 
 
 def test_each_source_keeps_its_newest_window_and_the_newest_is_served() -> None:
@@ -210,4 +211,4 @@ def test_the_poll_backs_off_to_a_cross_check_while_the_plugin_feeds_the_window(
 
 def test_a_negative_cross_check_interval_is_refused_by_name() -> None:
     with pytest.raises(ConfigError, match="--tq-cross-check-interval must not be negative, got -1"):
-        ServiceConfig(tq_cross_check_interval=-1.0).validate()
+        ServiceConfig(tq=PollSettings(cross_check_interval=-1.0)).validate()

@@ -2,11 +2,33 @@
 
 from __future__ import annotations
 
+import enum
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from tqmon.cost import ResumeCost
 from tqmon.warmup import WarmupState
+
+
+class SourceName(enum.StrEnum):
+    """Every source tqmon has; the values of the ``source`` label. A new source adds its name here."""
+
+    TQ = "tq"
+    CHECKPOINT = "checkpoint"
+    LOG = "log"
+    JSONL = "jsonl"
+    EVENTS = "events"
+    REPLAY_BUFFER = "replay_buffer"  # the verl plugin's window after each replay buffer sync
+
+
+class Tally(enum.StrEnum):
+    """What the tracker counts (label values in the comments); the exporters name the metric of each."""
+
+    EVENTS = "events"  # (source, applied | duplicate)
+    EVENTS_REJECTED = "events_rejected"  # (reason,): an event API request turned away
+    LOG_LINES = "log_lines"  # (event | ignored | malformed,): trainer log lines read
+    SOURCE_ERRORS = "source_errors"  # (source, reason)
 
 
 @dataclass(frozen=True, slots=True)
@@ -44,6 +66,7 @@ class ResumeRecord:
     first_step_evictions: Mapping[str, int] | None = None
     first_step_generation_wait_seconds: float | None = None
     evidence: tuple[Evidence, ...] = ()
+    cost: ResumeCost = field(default_factory=ResumeCost)  # what the resume cost; all unknown for a fresh start
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -121,6 +144,14 @@ class CheckpointView:
 
 
 @dataclass(frozen=True, slots=True)
+class OTLPView:
+    """The OTLP push exporter's delivery record; only present while ``--otlp-endpoint`` is on."""
+
+    export_failures: Mapping[str, int]  # signal -> exports that failed after the SDK's retries
+    dropped_log_records: int  # resume log records dropped because the bounded queue was full
+
+
+@dataclass(frozen=True, slots=True)
 class Snapshot:
     built_at: float
     version: str
@@ -137,7 +168,9 @@ class Snapshot:
     checkpoint: CheckpointView | None
     tq: TQPollView | None
     sources: tuple[SourceHealth, ...]
-    counters: Mapping[str, Mapping[tuple[str, ...], int]]  # catalog name -> label values -> value
+    counters: Mapping[Tally, Mapping[tuple[str, ...], int]]  # label values -> value
+    records: tuple[ResumeRecord, ...] = ()  # every start, oldest first (records_total of them)
+    otlp: OTLPView | None = None  # set by the OTLP exporter on the snapshot it and /metrics render
 
     def fresh_until(self, window: WindowView) -> float:
         """When a window stops being served: frozen data is never served as fresh."""

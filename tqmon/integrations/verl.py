@@ -26,10 +26,11 @@ from verl.utils.checkpoint.checkpoint_manager import find_latest_ckpt_path
 from verl.utils.ray_utils import auto_await
 
 from tqmon.composition import Composition, compose
-from tqmon.events import CheckpointSaved, RunStarted, TrainerConfig
+from tqmon.events import CheckpointSaved, RunStarted
 from tqmon.integrations.poster import EventPoster
 from tqmon.integrations.resume import StartReporter, Submission
 from tqmon.integrations.window import DEFAULT_INTERVAL, WindowReporter
+from tqmon.warmup import TrainerConfig
 
 try:
     from verl.trainer.ppo.checkpoint_callback import CheckpointCallback
@@ -80,6 +81,7 @@ def trainer_settings(config: Any) -> tuple[str, TrainerConfig]:
         max_off_policy_threshold=sampler.get("max_off_policy_threshold", 8),
         max_off_policy_strategy=sampler.get("max_off_policy_strategy", "drop"),
         filter_groups=bool(filter_groups is not None and filter_groups.get("enable", False)),
+        rollout_n=config.get("actor_rollout_ref", {}).get("rollout", {}).get("n", None),
     )
 
 

@@ -28,10 +28,9 @@ from itertools import repeat
 from operator import itemgetter
 from typing import Any
 
-from tqmon.catalog import PARTITIONS
 from tqmon.events import GroupCount, WindowObserved
 from tqmon.integrations.resume import Sink
-from tqmon.warmup import PROMPT_STATUSES
+from tqmon.warmup import PARTITIONS, PROMPT_STATUSES
 
 log = logging.getLogger("tqmon.integrations")
 
@@ -72,7 +71,7 @@ class BufferView:
 
     def event(self, event_id: str) -> WindowObserved:
         groups = self.groups()
-        by_status = dict.fromkeys(PROMPT_STATUSES, 0)
+        by_status: dict[str, int] = dict.fromkeys(PROMPT_STATUSES, 0)
         for (status, _), count in groups.items():
             by_status[status] += count
         return WindowObserved(

@@ -1,15 +1,14 @@
 """The Grafana dashboards, built with grafana-foundation-sdk (Grafana 11.6 schema).
 
-``python -m tqmon.dashboards`` writes ``grafana/dashboards/tqmon-resume.json`` (one run: health, the last
+``python -m mixin.dashboards`` writes ``grafana/dashboards/tqmon-resume.json`` (one run: health, the last
 resume's numbers, the live window against its target) and ``grafana/dashboards/tqmon-fleet.json`` (every
-run in one table). Both are committed, drift-checked and linted by ``tqmon.dashlint`` in the tests.
+run in one table). Both are committed, drift-checked and linted by ``mixin.dashlint`` in the tests.
 """
 
 from __future__ import annotations
 
 import json
 import sys
-from pathlib import Path
 from typing import Any, Protocol, Self, TypeVar
 
 from grafana_foundation_sdk.builders import common as common_builders
@@ -36,7 +35,7 @@ from grafana_foundation_sdk.models.dashboard import (
 )
 from grafana_foundation_sdk.models.prometheus import PromQueryFormat
 
-from tqmon.dashlint import DATASOURCE_UID
+from mixin.repo import write
 from tqmon.rules import (
     DOOMED_TOTAL,
     FILL_RATIO,
@@ -47,7 +46,8 @@ from tqmon.rules import (
     WINDOW_DEFICIT,
 )
 
-DASHBOARD_DIR = Path(__file__).resolve().parent.parent / "grafana" / "dashboards"
+DASHBOARD_DIR = "grafana/dashboards"
+DATASOURCE_UID = "${datasource}"  # every panel and target uses the dashboard's datasource variable
 DATASOURCE = DataSourceRef(type_val="prometheus", uid=DATASOURCE_UID)
 SEL = 'job=~"$job",instance=~"$instance"'
 TAGS = ["tqmon", "verl", "transferqueue"]
@@ -401,6 +401,47 @@ def _window_row(builder: dashboard.Dashboard) -> dashboard.Dashboard:
     )
 
 
+def _cost_row(builder: dashboard.Dashboard) -> dashboard.Dashboard:
+    """What each resume cost (ml-goodput-measurement's badput): each step of a line is one resume."""
+    return (
+        builder.with_row(dashboard.Row("Cost of the last resumes"))
+        .with_panel(
+            panel(
+                timeseries.Panel(),
+                "Steps lost",
+                "Steps trained after the loaded checkpoint and lost at the stop (last step before it minus N); "
+                "a gap where tqmon saw no step completions before the stop.",
+                "short",
+                query(f"tqmon_resume_lost_steps{{{SEL}}}", "steps lost"),
+                span=8,
+            )
+        )
+        .with_panel(
+            panel(
+                timeseries.Panel(),
+                "Downtime and time to first step",
+                "Downtime: last timestamped trainer line before the stop to the resume's first line. Time to first "
+                "step: from that line until the first step completed (restore, re-issue, warmup, the step).",
+                "s",
+                query(f"tqmon_resume_downtime_seconds{{{SEL}}}", "downtime"),
+                query(f"tqmon_resume_time_to_first_step_seconds{{{SEL}}}", "to first step"),
+                span=8,
+            )
+        )
+        .with_panel(
+            panel(
+                timeseries.Panel(),
+                "Rollouts wasted",
+                "Doomed restored prompt groups times actor_rollout_ref.rollout.n: rollouts evicted by the first "
+                "sample and generated again.",
+                "short",
+                query(f"tqmon_resume_wasted_rollouts{{{SEL}}}", "rollouts"),
+                span=8,
+            )
+        )
+    )
+
+
 def resume_dashboard() -> dashboard.Dashboard:
     """ "Resume & warmup" for one run (one tqmon instance)."""
     builder = _base(
@@ -409,7 +450,7 @@ def resume_dashboard() -> dashboard.Dashboard:
         "Whether the TransferQueue prefetch window of one verl async run was refilled correctly after its last resume.",
         multi=False,
     )
-    return _window_row(_resume_row(_health_row(builder)))
+    return _cost_row(_window_row(_resume_row(_health_row(builder))))
 
 
 def fleet_dashboard() -> dashboard.Dashboard:
@@ -514,10 +555,8 @@ def load(text: str) -> dict[str, Any]:
 
 
 def main() -> int:
-    DASHBOARD_DIR.mkdir(parents=True, exist_ok=True)
     for name, text in rendered().items():
-        (DASHBOARD_DIR / name).write_text(text)
-        print(f"wrote {DASHBOARD_DIR / name}")
+        write(f"{DASHBOARD_DIR}/{name}", text)
     return 0
 
 
