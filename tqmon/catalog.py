@@ -64,7 +64,7 @@ SOURCES = tuple(source.value for source in SourceName)
 WINDOW_STATUSES = ("ok", "under_filled", "over_filled", "unknown")
 TRAINER_MODES = ("colocate_async", "separate_async", "sync", "unknown")
 REJECT_REASONS = ("malformed_json", "invalid_event", "unknown_type", "too_large", "unauthorized")
-SOURCE_ERROR_REASONS = ("read_error", "malformed_line", "timeout", "unavailable", "invalid_data")
+SOURCE_ERROR_REASONS = ("read_error", "malformed_line", "timeout", "unavailable", "invalid_data", "too_large")
 EVENT_OUTCOMES = ("applied", "duplicate")
 LOG_LINE_OUTCOMES = ("event", "ignored", "malformed")
 OTLP_SIGNALS = ("metrics", "logs")
@@ -227,7 +227,8 @@ CATALOG: tuple[MetricSpec, ...] = (
     MetricSpec(
         "tqmon_checkpoint_doomed_prompt_groups",
         MetricType.GAUGE,
-        "Prompt groups the first sample after a resume from the latest checkpoint would evict, by reason.",
+        "Prompt groups the first sample after a resume from the latest checkpoint would evict, by reason "
+        "(filtered under DAPO only with algorithm.filter_groups.metric: read from the storage units).",
         "prompt_groups",
         (REASON,),
     ),
