@@ -15,6 +15,7 @@ from dataclasses import dataclass, field, replace
 from statistics import fmean
 from typing import Any
 
+from tqmon.composition import from_group_counts, window_view
 from tqmon.cost import CostInputs, resume_cost
 from tqmon.events import (
     CheckpointRestored,
@@ -343,7 +344,7 @@ class Reconciler:
         self.resumes = 0
         self.trainer_step: int | None = None
         self.trainer_last_event: float | None = None
-        self.windows: dict[str, WindowView] = {}
+        self.windows: dict[tuple[str, str], WindowView] = {}  # (source, partition) -> the newest seen
         self.checkpoint: CheckpointView | None = None
         self._observed: Observed | None = None
         self._checkpoint_saved: tuple[CheckpointSaved, str] | None = None  # the event behind ``checkpoint``
@@ -369,13 +370,13 @@ class Reconciler:
         return last.target if last is not None and last.target is not None else window_target(self.warmup_config)
 
     def observe_windows(self, windows: Iterable[WindowView]) -> None:
-        """Live windows from a poller, each superseding its partition's last view."""
+        """Live windows from a poller, each superseding its source's last view of the partition."""
         for window in windows:
-            self.windows[window.partition] = window
+            self.windows[(window.source, window.partition)] = window
 
     def drop_windows(self, source: str) -> None:
         """Forget a source's windows: a lost controller's last reply must not be served as fresh."""
-        self.windows = {p: w for p, w in self.windows.items() if w.source != source}
+        self.windows = {key: w for key, w in self.windows.items() if w.source != source}
 
     def hint(self, evidence: Evidence) -> None:
         """A sign of a trainer restart that is not itself a verl event (a new TQ controller, a truncated JSONL).
@@ -459,12 +460,26 @@ class Reconciler:
             case CheckpointSaved():
                 self._saved(event, source, at)
             case WindowObserved():
-                self.windows[event.partition] = WindowView(event.partition, source, at, _str_keys(event.by_status))
+                self._observe_window(event, event.source_name(source), at)
         if evidence_of is not None:
             evidence_of.evidence.append(Evidence(source, event.type, event.id, at, _describe(event)))
             self._rederive()
         if not isinstance(event, RunStarted):  # a new process announcing itself is not activity before a stop
             self._last_activity = _latest(self._last_activity, self._event_time)
+
+    def _observe_window(self, event: WindowObserved, source: str, at: float) -> None:
+        """A pushed window; one with a composition gets ages like a polled one."""
+        key = (source, event.partition)
+        if key in self.windows and self.windows[key].observed_at > at:
+            return  # a retried older post must not replace a newer window
+        if event.groups is None:
+            self.windows[key] = WindowView(event.partition, source, at, _str_keys(event.by_status))
+        else:
+            composition = from_group_counts(event.groups, event.trajectories or 0, event.orphan_trajectories or 0)
+            view = window_view(event.partition, source, composition, self.trainer_step, at)
+            self.windows[key] = replace(
+                view, trajectories=event.trajectories, orphan_trajectories=event.orphan_trajectories
+            )
 
     def _saved(self, event: CheckpointSaved, source: str, at: float) -> None:
         if source != SourceName.CHECKPOINT:  # the checkpoint dir may hold an older run's checkpoint
