@@ -59,6 +59,17 @@ RUN_STARTED: dict[str, Any] = {
 }
 
 
+def stop_process(proc: subprocess.Popen[Any], timeout: float) -> None:
+    """Terminate a benchmarked process, killing it if it does not exit within ``timeout``."""
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -146,13 +157,8 @@ class Tqmon:
         raise RuntimeError(f"tqmon did not come up in {START_TIMEOUT:.0f}s: {self.out.read_text()[-2000:]}")
 
     def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        if self.proc is not None:
+            stop_process(self.proc, timeout=10)
 
 
 @contextmanager

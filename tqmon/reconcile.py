@@ -15,6 +15,7 @@ from dataclasses import dataclass, field, replace
 from statistics import fmean
 from typing import Any
 
+from tqmon.composition import from_group_counts, window_view
 from tqmon.cost import CostInputs, resume_cost
 from tqmon.events import (
     CheckpointRestored,
@@ -494,7 +495,7 @@ class Reconciler:
         self.resumes = 0
         self.trainer_step: int | None = None
         self.trainer_last_event: float | None = None
-        self.windows: dict[str, WindowView] = {}
+        self.windows: dict[tuple[str, str], WindowView] = {}  # (source, partition) -> the newest seen
         self.checkpoint: CheckpointView | None = None
         self._observed: Observed | None = None
         self._checkpoint_saved: tuple[CheckpointSaved, str] | None = None  # the event behind ``checkpoint``
@@ -520,22 +521,14 @@ class Reconciler:
         last = self.records[-1] if self.records else None
         return last.target if last is not None and last.target is not None else window_target(self.warmup_config)
 
-    def observe_windows(self, windows: Iterable[WindowView], event_id: str = "") -> None:
-        """Live windows from a poller (or a log line), each superseding its partition's last view; the open
-        start keeps the train windows the judge compares with what was reported."""
+    def observe_windows(self, windows: Iterable[WindowView]) -> None:
+        """Live windows from a poller, each superseding its source's last view of the partition."""
         for window in windows:
-            self.windows[window.partition] = window
-            if window.partition != "train":
-                continue
-            seen = Claim(window.source, window.total, window.observed_at, event_id)
-            self._last_train_window = seen
-            obs = self._observed
-            if obs is not None and not obs.sealed and obs.saw_window(seen):
-                self._rederive()
+            self._keep_window(window)
 
     def drop_windows(self, source: str) -> None:
         """Forget a source's windows: a lost controller's last reply must not be served as fresh."""
-        self.windows = {p: w for p, w in self.windows.items() if w.source != source}
+        self.windows = {key: w for key, w in self.windows.items() if w.source != source}
 
     def hint(self, evidence: Evidence) -> None:
         """A sign of a trainer restart that is not itself a verl event (a new TQ controller, a truncated JSONL).
@@ -629,12 +622,37 @@ class Reconciler:
             case CheckpointSaved():
                 self._saved(event, source, at)
             case WindowObserved():
-                self.observe_windows([WindowView(event.partition, source, at, _str_keys(event.by_status))], event.id)
+                self._observe_window(event, event.source_name(source), at)
         if evidence_of is not None:
             evidence_of.evidence.append(Evidence(source, event.type, event.id, at, _describe(event)))
             self._rederive()
         if not isinstance(event, RunStarted):  # a new process announcing itself is not activity before a stop
             self._last_activity = _latest(self._last_activity, self._event_time)
+
+    def _observe_window(self, event: WindowObserved, source: str, at: float) -> None:
+        """A pushed window; one with a composition gets ages like a polled one."""
+        key = (source, event.partition)
+        if key in self.windows and self.windows[key].observed_at > at:
+            return  # a retried older post must not replace a newer window
+        if event.groups is None:
+            self._keep_window(WindowView(event.partition, source, at, _str_keys(event.by_status)), event.id)
+        else:
+            composition = from_group_counts(event.groups, event.trajectories or 0, event.orphan_trajectories or 0)
+            view = window_view(event.partition, source, composition, self.trainer_step, at)
+            view = replace(view, trajectories=event.trajectories, orphan_trajectories=event.orphan_trajectories)
+            self._keep_window(view, event.id)
+
+    def _keep_window(self, window: WindowView, event_id: str = "") -> None:
+        """The newest view of its (source, partition); the open start also keeps the train windows the judge
+        compares with what was reported, and the last one stays for a lost window's size after a restart."""
+        self.windows[(window.source, window.partition)] = window
+        if window.partition != "train":
+            return
+        seen = Claim(window.source, window.total, window.observed_at, event_id)
+        self._last_train_window = seen
+        obs = self._observed
+        if obs is not None and not obs.sealed and obs.saw_window(seen):
+            self._rederive()
 
     def _saved(self, event: CheckpointSaved, source: str, at: float) -> None:
         if source != SourceName.CHECKPOINT:  # the checkpoint dir may hold an older run's checkpoint

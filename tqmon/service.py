@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any, Literal
 from prometheus_client import CollectorRegistry
 
 from tqmon.exporters.prometheus import build_registry
+from tqmon.file_sd import FileSDError, file_sd_target
 from tqmon.snapshot import Snapshot, SourceName
 from tqmon.sources.checkpoint import CheckpointSource
 from tqmon.sources.logfile import LogSource, parse_jsonl
@@ -112,6 +113,18 @@ class ServiceConfig:
         "OTEL_RESOURCE_ATTRIBUTES, OTEL_SERVICE_NAME, and POD_NAME, POD_NAMESPACE (downward API). Default: off.",
         metavar="URL",
     )
+    file_sd: Path | None = _setting(
+        None,
+        "Announce this tqmon to Prometheus in a file_sd target file at PATH: written atomically once tqmon "
+        "listens, removed on exit (docs/deploy.md).",
+        metavar="PATH",
+    )
+    file_sd_label: tuple[str, ...] = _setting(
+        (),
+        "Label of the --file-sd target (repeatable; the env var is space-separated). SLURM_JOB_ID, "
+        "SLURM_JOB_NAME and SLURM_CLUSTER_NAME add slurm_job_id, slurm_job_name and slurm_cluster.",
+        metavar="NAME=VALUE",
+    )
 
     @property
     def address(self) -> tuple[str, int]:
@@ -167,6 +180,10 @@ class Service:
             if config.otlp_endpoint
             else None  # refused here, before any state is touched
         )
+        try:
+            self.file_sd = file_sd_target(config.file_sd, *config.address, config.file_sd_label)
+        except FileSDError as err:
+            raise ConfigError(str(err)) from None
         self.token = config.token or None
         self.max_body_bytes = config.max_body_bytes
         try:
@@ -221,8 +238,14 @@ class Service:
             source.start()
         if self.otlp is not None:
             self.otlp.start()
+        if self.file_sd is not None:
+            # Last, and from the app's lifespan, which serve_forever runs once the socket listens: the scrape
+            # Prometheus makes as soon as it reads the file waits in the backlog instead of being refused.
+            self.file_sd.register()
 
     def stop(self) -> None:
+        if self.file_sd is not None:
+            self.file_sd.deregister()
         for source in self.sources:
             source.stop()
         if self.otlp is not None:

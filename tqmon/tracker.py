@@ -12,9 +12,10 @@ import time
 from collections import Counter
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import TypeGuard
 
 from tqmon import __version__
-from tqmon.events import Event
+from tqmon.events import Event, WindowObserved
 from tqmon.reconcile import Reconciler
 from tqmon.snapshot import Evidence, Snapshot, SourceHealth, SourceName, Tally, TQPollView, WindowView
 from tqmon.store import StateStore
@@ -79,6 +80,10 @@ class Tracker:
         snapshot = self._snapshot
         return TrainerProgress(snapshot.trainer_step, snapshot.records_total)
 
+    def window_fresh_until(self, source: str) -> float | None:
+        """Until when ``source`` has a fresh window, for a poller that backs off while another source feeds it."""
+        return self._snapshot.window_fresh_until(source)
+
     def cursor(self, key: str) -> object | None:
         return self._store.cursor(key)
 
@@ -111,12 +116,21 @@ class Tracker:
     ) -> tuple[int, int]:
         """Persist and apply events from one source; returns (applied, duplicates)."""
         received_at = self._clock()
-        lines = [(Tally.LOG_LINES, (outcome,), n) for outcome, n in (log_lines or {}).items()]
+        live = [e for e in events if _is_live(e)]  # the plugin's windows: applied, never stored (one a second)
+        increments = [
+            *((Tally.LOG_LINES, (outcome,), n) for outcome, n in (log_lines or {}).items()),
+            (Tally.EVENTS, (source, "applied"), len(live)),
+        ]
         with self._lock:
-            fresh = self._commit(((e, source, received_at) for e in events), lines, cursors)
+            stored = iter(
+                self._commit(((e, source, received_at) for e in events if not _is_live(e)), increments, cursors)
+            )
+            fresh = [_is_live(e) or next(stored) for e in events]
             for event, is_new in zip(events, fresh, strict=True):
                 if is_new:
                     self._state.apply(event, source, received_at)
+            for event in live:
+                self._live_source_seen(event.source_name(source), event.timestamp(received_at))
             self._publish()
             applied = sum(fresh)
             return applied, len(events) - applied
@@ -154,6 +168,12 @@ class Tracker:
                 duration,
                 None,
             )
+            self._publish()
+
+    def source_expected(self, source: str, stale_after: float) -> None:
+        """The source will next succeed later than usual, on purpose (a poll backing off): move its horizon."""
+        with self._lock:
+            self._health[source].stale_after = stale_after
             self._publish()
 
     def source_failed(self, source: str, reason: str, message: str, *, duration: float | None = None) -> None:
@@ -217,6 +237,12 @@ class Tracker:
             if self._announce is not None:
                 self._announce(f"{source}: {line}")
 
+    def _live_source_seen(self, source: str, at: float) -> None:
+        """A source named by a live window (the plugin's ``replay_buffer``) is up while its windows arrive."""
+        health = self._health.setdefault(source, _Health(self._stale_after))
+        health.ok, health.last_error = True, None
+        health.last_success = max(health.last_success or at, at)
+
     def _commit(
         self,
         events: Iterable[tuple[Event, str, float]],
@@ -267,3 +293,8 @@ class Tracker:
             counters={tally: dict(values) for tally, values in self._counters.items()},
             records=tuple(state.records),
         )
+
+
+def _is_live(event: Event) -> TypeGuard[WindowObserved]:
+    """A window an observer (the verl plugin) reports about every second: applied, not persisted."""
+    return isinstance(event, WindowObserved) and event.observer is not None
