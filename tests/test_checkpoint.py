@@ -239,18 +239,25 @@ def test_inspect_without_config_prints_what_the_checkpoint_alone_tells(saved: di
     assert result.exit_code == 0, result.output
     text = words(result.stdout)
     assert text.startswith(
-        "resuming from step 40 will restore 20 prompt groups: 3 pending, 2 running, 11 finished, 4 failed;"
+        "resuming from step 40 will restore 20 prompt groups: 3 pending, 2 running, 11 finished (2 stale), 4 failed;"
     )
     assert "by age at 41 1: 9 · 2: 3 · 3: 2 · 4: 2 · 6: 2 · 11: 2" in text
     assert "re-issued K 5 (pending + running" in text and "clears 1 old trajectories" in text
-    assert "doomed failure 4 · stale ? · filtered ?" in text
+    # Without the config, verl's eviction defaults decide stale and filtered, and the output names them.
+    assert "doomed failure 4 · stale 2 · filtered 0" in text
+    assert "doomed assumes verl's defaults max_off_policy_threshold=8, max_off_policy_strategy=drop, " in text
     assert "trajectories 26 (3 orphaned" in text
     assert "need the trainer config" in text and "target T" not in text
 
     data = inspect_json(str(saved["root"]))
     assert (data["restored"], data["reissued"], data["orphan_trajectories"]) == (20, 5, 3)
     assert data["by_status"] == STEP40 and data["by_age"] == AGES40
-    assert data["doomed"] == {"failure": 4}
+    assert data["doomed"] == {"failure": 4, "stale": 2, "filtered": 0}
+    assert data["assumed_defaults"] == [
+        "max_off_policy_threshold=8",
+        "max_off_policy_strategy=drop",
+        "filter_groups=false",
+    ]
     assert data["target"] is None and data["under_submitted"] is None and data["config"] is None
 
 
@@ -376,20 +383,25 @@ def test_source_event_survives_restart_and_config_arriving_later(root: Path, tmp
     store = tmp_path / "state"
     tracker = Tracker(StateStore(store))
     CheckpointSource(root, tracker).poll()
-    assert doomed(tracker) == {"failure": 4}  # no config yet: only failure is known
+    # No config yet: verl's default threshold 8 decides stale, and the view says it assumed it.
+    assert doomed(tracker) == {"failure": 4, "stale": 2, "filtered": 0}
+    view = tracker.snapshot.checkpoint
+    assert view is not None and "max_off_policy_threshold=8" in view.assumed_defaults
     run = {
         "type": "run_started",
         "id": "run",
         "run_id": "r",
         "trainer_mode": "colocate_async",
-        "config": {"train_batch_size": 8, "num_warmup_batches": 3},
+        "config": {"train_batch_size": 8, "num_warmup_batches": 3, "max_off_policy_threshold": 4},
     }
     tracker.ingest([parse_event(run)], "events")
-    assert doomed(tracker) == {"failure": 4, "stale": 2, "filtered": 0}  # verl's default threshold 8
+    assert doomed(tracker) == {"failure": 4, "stale": 4, "filtered": 0}  # the run's own threshold 4
+    view = tracker.snapshot.checkpoint
+    assert view is not None and view.assumed_defaults == ()
 
     restarted = Tracker(StateStore(store))
     restarted.replay()
-    assert doomed(restarted) == {"failure": 4, "stale": 2, "filtered": 0}
+    assert doomed(restarted) == {"failure": 4, "stale": 4, "filtered": 0}
     view = restarted.snapshot.checkpoint
     assert view is not None and view.step == 40 and view.orphan_trajectories == 3
     CheckpointSource(root, restarted).poll()  # the same checkpoint again: a duplicate, not a second event
@@ -403,7 +415,9 @@ def test_tracker_checkpoint_saved_rules() -> None:
         [parse_event({"type": "checkpoint_saved", "id": "e1", "step": 30, "by_status": by_status})], "events"
     )
     view = tracker.snapshot.checkpoint
-    assert view is not None and dict(view.doomed or {}) == {"failure": 2}  # only failure is knowable
+    # Statuses alone decide failure; verl's default filter_groups=false decides filtered; stale needs steps.
+    assert view is not None and dict(view.doomed or {}) == {"failure": 2, "filtered": 0}
+    assert view.assumed_defaults == ("filter_groups=false",)
     assert tracker.snapshot.trainer_step == 30  # the trainer said it saved step 30
 
     tracker.ingest([CheckpointSaved(id="log:1", step=30)], "log")  # the bare log line of the same save
