@@ -571,3 +571,39 @@ def test_serve_keeps_serving_with_a_hostile_checkpoint(root: Path, tmp_path: Pat
     assert value(text, "tqmon_checkpoint_prompt_groups", status="failure") == 4
     assert value(text, "tqmon_checkpoint_doomed_prompt_groups", reason="stale") == 4
     assert value(text, "tqmon_checkpoint_orphan_trajectories") == 3
+
+
+def test_checkpoint_series_follow_the_directory_back_and_away(root: Path) -> None:
+    """A rollback (latest file set back, newer step deleted), a deleted step and a vanished dir are followed."""
+    tracker = Tracker(StateStore(None))
+    source = CheckpointSource(root, tracker)
+    (root / "latest_checkpointed_iteration.txt").write_text("45\n")
+    source.poll()
+    assert value(metrics(tracker), "tqmon_checkpoint_step") == 45
+    # The trainer's own "saved" line for a step the dir does not hold moves the trainer, not the dir's series.
+    saved = parse_event({"type": "checkpoint_saved", "id": "log50", "step": 50})
+    tracker.ingest([saved], "log")
+    assert value(metrics(tracker), "tqmon_checkpoint_step") == 45
+
+    (root / "latest_checkpointed_iteration.txt").write_text("40\n")
+    shutil.rmtree(root / "global_step_45")
+    source.poll()
+    text = metrics(tracker)
+    assert value(text, "tqmon_checkpoint_step") == 40
+    assert value(text, "tqmon_checkpoint_prompt_groups", status="finished") == STEP40["finished"]
+    assert value(text, "tqmon_checkpoint_orphan_trajectories") == 3
+    assert value(text, "tqmon_source_up", source="checkpoint") == 1
+
+    (root / "latest_checkpointed_iteration.txt").write_text("45\n")  # points at the deleted step
+    source.poll()
+    text = metrics(tracker)
+    assert value(text, "tqmon_checkpoint_step") is None
+    assert value(text, "tqmon_checkpoint_prompt_groups", status="finished") is None
+    health = next(s for s in tracker.snapshot.sources if s.source == "checkpoint")
+    assert not health.ok and "says 45, but" in (health.last_error or "")
+
+    shutil.rmtree(root)
+    source.poll()
+    assert tracker.snapshot.checkpoint is None
+    health = next(s for s in tracker.snapshot.sources if s.source == "checkpoint")
+    assert not health.ok and "does not exist" in (health.last_error or "")

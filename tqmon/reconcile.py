@@ -355,6 +355,9 @@ class Reconciler:
         self.checkpoint: CheckpointView | None = None
         self._observed: Observed | None = None
         self._checkpoint_saved: tuple[CheckpointSaved, str] | None = None  # the event behind ``checkpoint``
+        # The checkpoint dir as the checkpoint source last read it (None: nothing readable there); once read,
+        # it, not the trainer's "saved" events, is what ``checkpoint`` shows, rollbacks and deletions included.
+        self._directory: tuple[CheckpointSaved | None] | None = None
         self._restart_hint: Evidence | None = None  # a restart sign no start has claimed yet
         self._step_seconds: deque[float] = deque(maxlen=STEP_RATE_WINDOW)
         self._compositions: dict[int, Composition] = {}  # step -> a checkpoint's composition
@@ -478,6 +481,12 @@ class Reconciler:
         if not bare:
             self._rederive()  # the open start may have resumed from this very checkpoint
 
+    def observe_checkpoint_dir(self, event: CheckpointSaved | None) -> None:
+        """The checkpoint dir as it is now: its latest checkpoint, or None when it has none it can read (gone,
+        rolled back to a deleted step, unreadable). Unlike trainer events this may step back."""
+        self._directory = (event,)
+        self._derive_checkpoint()
+
     def _set_run(self, run: RunInfo, config: TrainerConfig) -> None:
         self.run = run
         self.warmup_config = config.warmup_config(run.trainer_mode)
@@ -513,9 +522,16 @@ class Reconciler:
         return new
 
     def _derive_checkpoint(self) -> None:
-        if self._checkpoint_saved is None:
+        if self._directory is not None:
+            (current,) = self._directory
+            if current is None:
+                self.checkpoint = None
+                return
+            event, source = current, str(SourceName.CHECKPOINT)
+        elif self._checkpoint_saved is not None:
+            event, source = self._checkpoint_saved
+        else:
             return
-        event, source = self._checkpoint_saved
         self.checkpoint = CheckpointView(
             event.step,
             source,

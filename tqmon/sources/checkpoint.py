@@ -42,8 +42,11 @@ class CheckpointSource:
                 reading = read_checkpoint(self.checkpoint_dir)
             except CheckpointError as err:
                 self._error = err
+                self.tracker.observe_checkpoint_dir(None)  # a deleted step or a vanished dir: no series
             else:
-                self.tracker.ingest([reading.to_event()], self.name)
+                event = reading.to_event()
+                self.tracker.observe_checkpoint_dir(event)  # may step back: a rollback of the latest file
+                self.tracker.ingest([event], self.name)
             self._seen = current
         duration = time.monotonic() - started
         if self._error is not None:
