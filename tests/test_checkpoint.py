@@ -607,3 +607,61 @@ def test_checkpoint_series_follow_the_directory_back_and_away(root: Path) -> Non
     assert tracker.snapshot.checkpoint is None
     health = next(s for s in tracker.snapshot.sources if s.source == "checkpoint")
     assert not health.ok and "does not exist" in (health.last_error or "")
+
+
+RESUME_LOG = """\
+INFO:2026-11-28 22:00:00,000:Resuming from {root}/global_step_40, setting global step to 40
+INFO:2026-11-28 22:00:01,000:Restored 20 training prompt groups from TransferQueue
+INFO:2026-11-28 22:00:02,000:Re-issued 5 in-flight prompts for step 41; cleared 1 old trajectories from partition train
+INFO:2026-11-28 22:00:03,000:Added 4 warmup prompts after restoring 20 of 24 target prompt groups
+"""
+
+TRAINER_CONFIG = """\
+data: {train_batch_size: 8}
+trainer:
+  project_name: dapo
+  experiment_name: run7
+  v1:
+    trainer_mode: colocate_async
+    colocate_async: {num_warmup_batches: 3}
+    sampler: {max_off_policy_threshold: 4, max_off_policy_strategy: drop}
+"""
+
+
+def test_analyze_with_the_checkpoint_dir_and_config_gets_the_exact_deficit(root: Path, tmp_path: Path) -> None:
+    """R 20 with 4 failed and (threshold 8) 2 stale groups, T 24, M 4: verl's deficit is 6; the log alone
+    cannot tell, and must not print it as an exact 0."""
+    log = tmp_path / "trainer.log"
+    log.write_text(RESUME_LOG.format(root=root))
+
+    def record(*flags: str) -> dict[str, Any]:
+        result = CliRunner().invoke(main, ["analyze", "--json", *flags, str(log)])
+        assert result.exit_code == 0, result.output
+        records: list[dict[str, Any]] = json.loads(result.stdout)["records"]
+        assert len(records) == 1
+        return records[0]
+
+    bare = record()
+    assert (bare["under_submitted"], bare["under_submitted_lower_bound"]) == (0, True)
+    text = CliRunner().invoke(main, ["analyze", str(log)]).stdout
+    assert "verdict" in text and "≥0" in text
+    assert "deficit at least 0 (doomed failure, stale not known): not known to be ok" in text
+    assert " ok" not in text.replace("not known to be ok", "")
+
+    exact = record("--checkpoint-dir", str(root))
+    assert exact["doomed"] == {"failure": 4, "stale": 2, "filtered": 0}
+    assert (exact["under_submitted"], exact["under_submitted_lower_bound"]) == (6, False)
+    assert exact["assumed_defaults"] == [
+        "max_off_policy_threshold=8",
+        "max_off_policy_strategy=drop",
+        "filter_groups=false",
+    ]
+    text = CliRunner().invoke(main, ["analyze", "--checkpoint-dir", str(root), str(log)]).stdout
+    assert "UNDER-SUBMITTED by 6 (assuming verl defaults max_off_policy_threshold=8" in text
+
+    config = tmp_path / "config.yaml"
+    config.write_text(TRAINER_CONFIG)
+    configured = record("--checkpoint-dir", str(root), "--trainer-config", str(config))
+    assert configured["doomed"] == {"failure": 4, "stale": 4, "filtered": 0}
+    assert (configured["under_submitted"], configured["under_submitted_lower_bound"]) == (8, False)
+    assert configured["assumed_defaults"] == [] and configured["run_id"] == "dapo/run7"

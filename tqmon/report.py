@@ -23,13 +23,14 @@ def verdict(record: ResumeRecord) -> str:
         problems.append(f"over-restored by {record.over_restored} (kept all run)")
     if record.under_submitted == 0 and record.under_submitted_lower_bound:
         problems.append(f"deficit {deficit(record)}: not known to be ok")
+    caveat = ""
     if record.under_submitted is not None and record.assumed_defaults:
-        problems.append(f"assuming verl defaults {', '.join(record.assumed_defaults)}")
+        caveat = f" (assuming verl defaults {', '.join(record.assumed_defaults)})"
     if problems:
-        return "; ".join(problems)
+        return "; ".join(problems) + caveat
     if record.warmup_state is WarmupState.UNKNOWN:
         return "incomplete: warmup decision not seen"
-    return "ok"
+    return "ok" + caveat
 
 
 def unknown_doom_reasons(doomed: Mapping[str, int] | None) -> list[str]:
