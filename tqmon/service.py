@@ -10,6 +10,7 @@ from typing import Any, Literal
 
 from prometheus_client import CollectorRegistry
 
+from tqmon.binding import Identity, StateDirTaken, bind, run_identity
 from tqmon.exporters.prometheus import build_registry
 from tqmon.snapshot import SourceName
 from tqmon.sources.checkpoint import CheckpointSource
@@ -140,6 +141,11 @@ class Service:
         self.token = config.token or None
         self.max_body_bytes = config.max_body_bytes
         self.store = StateStore(config.state_dir)
+        try:
+            bind(self.store, self.identity, config.state_dir)
+        except StateDirTaken as err:
+            self.store.close()
+            raise ConfigError(str(err)) from None
         self.tracker = Tracker(self.store, stale_after=config.stale_after, given=config.trainer)
         replayed = self.tracker.replay()
         if replayed:
@@ -172,6 +178,13 @@ class Service:
         self.registry: CollectorRegistry = build_registry(
             lambda: self.tracker.snapshot, process_metrics=config.process_metrics
         )
+
+    @property
+    def identity(self) -> Identity:
+        """The run this service monitors, as its state dir is bound to it."""
+        config = self.config
+        run_id = config.trainer.run_id if config.trainer is not None else ""
+        return run_identity(run_id, config.checkpoint_dir, config.log_patterns, config.jsonl_patterns)
 
     @property
     def sources(self) -> list[Source]:
