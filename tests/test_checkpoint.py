@@ -669,3 +669,34 @@ def test_analyze_with_the_checkpoint_dir_and_config_gets_the_exact_deficit(root:
     assert configured["doomed"] == {"failure": 4, "stale": 4, "filtered": 0}
     assert (configured["under_submitted"], configured["under_submitted_lower_bound"]) == (8, False)
     assert configured["assumed_defaults"] == [] and configured["run_id"] == "dapo/run7"
+
+
+def test_serve_without_config_counts_stale_groups_by_verl_defaults_and_marks_lower_bounds(root: Path) -> None:
+    """The serve path: the log's R, T and M; the checkpoint dir's composition; no trainer config."""
+    from tqmon.report import verdict
+    from tqmon.sources.logfile import parse_chunk
+
+    lines = RESUME_LOG.format(root=root).encode().splitlines()
+    events, _, errors = parse_chunk(enumerate(lines), "log")
+    assert not errors
+    alone = Tracker(StateStore(None))
+    alone.ingest(events, "log")
+    text = metrics(alone)
+    assert value(text, "tqmon_resume_under_submitted_prompt_groups") == 0
+    assert value(text, "tqmon_resume_under_submitted_lower_bound") == 1  # failure and stale unknown
+    record = alone.snapshot.last_record
+    assert record is not None and verdict(record).startswith("deficit at least 0 (doomed failure, stale not known)")
+
+    tracker = Tracker(StateStore(None))
+    CheckpointSource(root, tracker).poll()
+    tracker.ingest(events, "log")
+    text = metrics(tracker)
+    assert value(text, "tqmon_resume_doomed_prompt_groups", reason="stale") == 2  # verl's default threshold 8
+    assert value(text, "tqmon_resume_under_submitted_prompt_groups") == 6  # 24 - (20 - 6 + 4), not 2
+    assert value(text, "tqmon_resume_under_submitted_lower_bound") == 0
+    record = tracker.snapshot.last_record
+    assert record is not None
+    assert verdict(record) == (
+        "UNDER-SUBMITTED by 6 (assuming verl defaults max_off_policy_threshold=8, max_off_policy_strategy=drop, "
+        "filter_groups=false)"
+    )
