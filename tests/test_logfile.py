@@ -26,9 +26,10 @@ from click.testing import CliRunner
 
 import tqmon
 from tqmon.cli import main
+from tqmon.postmortem import LogZone, analyze
 from tqmon.snapshot import ResumeRecord, SourceHealth, Tally
 from tqmon.sources import logfile
-from tqmon.sources.logfile import LogSource, ingest_file, parse_chunk, read_lines
+from tqmon.sources.logfile import LogSource, parse_chunk, read_lines
 from tqmon.store import StateStore
 from tqmon.tracker import Tracker
 from tqmon.warmup import WarmupState
@@ -633,17 +634,17 @@ def test_an_unreadable_file_does_not_stop_the_others(
 # ------------------------------------------------------------------------------ ingest_file, analyze
 
 
-def test_ingest_file_reads_a_final_line_without_newline(tmp_path: Path) -> None:
+def test_analyze_reads_a_final_line_without_newline(tmp_path: Path) -> None:
     log = tmp_path / "done.log"
     log.write_text(
         "Training from scratch\n"
         "Restored many training prompt groups from TransferQueue\n"
         "Added 8 warmup prompts after restoring 0 of 8 target prompt groups"  # no trailing newline
     )
-    tracker = new_tracker()
-    assert ingest_file(str(log), tracker) == 1
-    assert_record(last(tracker), resumed=False, submitted=8, target=8, warmup_state=WarmupState.FRESH_START)
-    assert lines_count(tracker) == {"event": 2, "ignored": 0, "malformed": 1}
+    result = analyze([str(log)], zone=LogZone.of("UTC"))
+    assert (result.malformed, result.events) == (1, 2)
+    [record] = result.records
+    assert_record(record, resumed=False, submitted=8, target=8, warmup_state=WarmupState.FRESH_START)
 
 
 def demo_started(stamp: str) -> float:

@@ -59,6 +59,7 @@ class PostMortem:
     records: tuple[ResumeRecord, ...]
     malformed: int
     zone: LogZone
+    events: int  # log events applied (each line read twice counts once)
     notes: list[str] = field(default_factory=list)
 
     def to_json(self) -> dict[str, object]:
@@ -174,6 +175,7 @@ def analyze(
     if note is not None:
         notes.append(note)
     tracker.ingest(ordered, SourceName.LOG)
+    applied = len(ordered)
     if jsonl:
         tracker.register_source(SourceName.JSONL, stale_after=None)
     for path in jsonl:
@@ -181,4 +183,4 @@ def analyze(
             events, _outcomes, errors = parse_chunk(read_lines(handle, 0, final=True), path, parse_jsonl)
         tracker.ingest(events, SourceName.JSONL)
         malformed += len(errors)
-    return PostMortem(tracker.snapshot.records, malformed, zone, notes)
+    return PostMortem(tracker.snapshot.records, malformed, zone, applied, notes)
