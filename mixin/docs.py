@@ -6,6 +6,7 @@ import sys
 
 from mixin.repo import write
 from tqmon.catalog import CATALOG, MetricSpec, MetricType
+from tqmon.exporters import otlp
 
 METRICS_DOC = "docs/metrics.md"
 
@@ -42,7 +43,7 @@ def render() -> str:
         kind = spec.type.value + (" (0/1 gauge per state)" if spec.type is MetricType.STATESET else "")
         row = f"| `{spec.name}` | {kind} | {spec.unit or '—'} | {_labels(spec)} | {spec.stability} | {spec.help} |"
         rows.append(row)
-    return HEADER + "\n".join(rows) + "\n"
+    return HEADER + "\n".join(rows) + "\n" + otlp.docs()
 
 
 def main() -> int:

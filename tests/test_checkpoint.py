@@ -541,10 +541,16 @@ def test_broken_checkpoint_fails_the_source_cleanly(root: Path, breakage: str, r
     assert snap.checkpoint is None and snap.counters[Tally.EVENTS] == {}
 
 
-def test_missing_checkpoint_dir_is_unavailable_until_the_first_save(tmp_path: Path) -> None:
-    tracker = Tracker(StateStore(None))
+def test_no_checkpoint_yet_is_a_state_not_a_failure(tmp_path: Path) -> None:
+    lines: list[str] = []
+    tracker = Tracker(StateStore(None), announce=lines.append)
     CheckpointSource(tmp_path / "nothing-yet", tracker).poll()
-    assert tracker.snapshot.counters[Tally.SOURCE_ERRORS] == {("checkpoint", "unavailable"): 1}
+    health = next(s for s in tracker.snapshot.sources if s.source == "checkpoint")
+    assert health.ok and health.last_error is None and tracker.snapshot.counters[Tally.SOURCE_ERRORS] == {}
+    latest = tmp_path / "nothing-yet" / "latest_checkpointed_iteration.txt"
+    assert lines == [
+        f"checkpoint: no checkpoint saved yet: {latest} does not exist ({latest.parent} does not exist yet): waiting"
+    ]
 
 
 def test_serve_keeps_serving_with_a_hostile_checkpoint(root: Path, tmp_path: Path, tqmon_factory: Any) -> None:
@@ -610,7 +616,16 @@ def test_checkpoint_series_follow_the_directory_back_and_away(root: Path) -> Non
     source.poll()
     assert tracker.snapshot.checkpoint is None
     health = next(s for s in tracker.snapshot.sources if s.source == "checkpoint")
-    assert not health.ok and "does not exist" in (health.last_error or "")
+    # Not "no checkpoint saved yet": this source read global_step_40 here, so they were deleted.
+    assert (
+        not health.ok
+        and health.last_error == f"checkpoints gone: {root} does not exist any more (global_step_40 was read)"
+    )
+
+    fresh = Tracker(StateStore(None))
+    CheckpointSource(root, fresh).poll()  # never held one: a fresh run, up with no series
+    health = next(s for s in fresh.snapshot.sources if s.source == "checkpoint")
+    assert health.ok and fresh.snapshot.checkpoint is None
 
 
 RESUME_LOG = """\
@@ -700,3 +715,126 @@ def test_serve_without_config_counts_stale_groups_by_verl_defaults_and_marks_low
         "UNDER-SUBMITTED by 6 (assuming verl defaults max_off_policy_threshold=8, max_off_policy_strategy=drop, "
         "filter_groups=false)"
     )
+
+
+# ---------------------------------------------------------------- DAPO verdicts from the storage units
+# Every trajectory above has rm_scores = three bfloat16 ones, so each finished group's "reward" (the summed
+# rm_scores) is 3.0 on both trajectories: zero variance. At step 41 with threshold 4, the 4 groups with
+# g <= 37 are stale first; the other 7 finished groups are filtered. The trajectories carry no extra_fields.
+
+
+def test_inspect_predicts_filtered_groups_from_the_storage_units(saved: dict[str, Any]) -> None:
+    args = [str(saved["root"]), *CONFIG_FLAGS, "--max-off-policy-threshold", "4", "--filter-groups"]
+    data = inspect_json(*args, "--filter-groups-metric", "reward")
+    assert data["doomed"] == {"failure": 4, "stale": 4, "filtered": 7}
+    assert data["doomed_complete"] is True
+    assert (data["useful_after_warmup"], data["under_submitted"], data["under_submitted_is_lower_bound"]) == (
+        9,
+        15,
+        False,
+    )
+    dapo = data["dapo"]
+    assert (dapo["metric"], dapo["finished_judged"], dapo["zero_variance"], dapo["zero_variance_stale"]) == (
+        "reward",
+        11,
+        11,
+        4,
+    )
+    assert (dapo["missing_metric"], dapo["trajectories_read"]) == (0, 22)
+    text = words(run_inspect(*args, "--filter-groups-metric", "reward").stdout)
+    assert "filtered 7" in text and "under-submitted by 15" in text and "at least" not in text
+
+
+def test_inspect_reports_progress_walking_large_storage_units(
+    saved: dict[str, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    args = [str(saved["root"]), *CONFIG_FLAGS, "--filter-groups", "--filter-groups-metric", "reward"]
+    assert "reading su_0_" not in run_inspect(*args).stderr  # small: no bar
+    monkeypatch.setattr(layout, "LARGE_CHECKPOINT_BYTES", 0)
+    result = run_inspect(*args, "--json")
+    assert "reading su_0_" in result.stderr
+    assert json.loads(result.stdout)["dapo"]["zero_variance"] == 11  # the bars never reach stdout
+
+
+def test_inspect_names_a_missing_metric_as_verls_first_sample_error(saved: dict[str, Any]) -> None:
+    args = [str(saved["root"]), *CONFIG_FLAGS, "--filter-groups", "--filter-groups-metric", "acc"]
+    data = inspect_json(*args)
+    assert "filtered" not in data["doomed"] and data["under_submitted_is_lower_bound"] is True
+    assert data["dapo"]["missing_metric"] == 11
+    assert any(
+        "11 finished group(s) lack DAPO metric 'acc'" in note and "RuntimeError" in note for note in data["notes"]
+    )
+
+
+def test_unreadable_storage_units_are_counted_and_the_composition_still_served(root: Path) -> None:
+    unit = next((root / "global_step_40" / "transfer_queue" / "simple_storage").glob("su_*.pkl"))
+    unit.write_bytes(unit.read_bytes()[:-100])  # truncated
+    config = TrainerConfig(train_batch_size=8, num_warmup_batches=3, filter_groups=True, filter_groups_metric="reward")
+    lines: list[str] = []
+    tracker = Tracker(StateStore(None), given=GivenConfig("colocate_async", config, "flags"), announce=lines.append)
+    CheckpointSource(root, tracker, interval=1.0, filter_metric="reward").poll()
+    text = metrics(tracker)
+    assert value(text, "tqmon_source_errors_total", reason="invalid_data", source="checkpoint") == 1
+    assert value(text, "tqmon_source_up", source="checkpoint") == 1
+    assert value(text, "tqmon_checkpoint_prompt_groups", status="finished") == 11
+    assert value(text, "tqmon_checkpoint_doomed_prompt_groups", reason="filtered") is None  # unknown, not 0
+    assert value(text, "tqmon_checkpoint_doomed_prompt_groups", reason="failure") == 4
+    assert len(lines) == 1 and lines[0].startswith("checkpoint: DAPO's filtered groups unknown: ")
+    assert "truncated pickle" in lines[0] and unit.name in lines[0]
+
+
+# DAPO over the fixture: T 24, threshold 4, filtered by the "reward" metric, 4 rollouts per group.
+DAPO_CONFIG = TrainerConfig(
+    train_batch_size=8,
+    num_warmup_batches=3,
+    max_off_policy_threshold=4,
+    filter_groups=True,
+    filter_groups_metric="reward",
+    rollout_n=4,
+)
+
+
+def test_source_exports_the_filtered_groups(root: Path) -> None:
+    tracker = Tracker(StateStore(None), given=GivenConfig("colocate_async", DAPO_CONFIG, "flags"))
+    CheckpointSource(root, tracker, interval=1.0, filter_metric="reward").poll()
+    assert doomed(tracker) == {"failure": 4, "stale": 4, "filtered": 7}
+    assert value(metrics(tracker), "tqmon_checkpoint_doomed_prompt_groups", reason="filtered") == 7
+
+
+def test_dapo_verdicts_make_the_resume_deficit_exact(root: Path) -> None:
+    """Under DAPO, filtered groups decided from the storage units are known: the deficit is exact, not a bound."""
+    from tqmon.sources.logfile import parse_chunk
+
+    config = DAPO_CONFIG
+    events, _, errors = parse_chunk(enumerate(RESUME_LOG.format(root=root).encode().splitlines()), "log")
+    assert not errors
+    tracker = Tracker(StateStore(None), given=GivenConfig("colocate_async", config, "flags"))
+    CheckpointSource(root, tracker, interval=1.0, filter_metric="reward").poll()
+    tracker.ingest(events, "log")
+    record = tracker.snapshot.last_record
+    assert record is not None and record.doomed == {"failure": 4, "stale": 4, "filtered": 7}
+    text = metrics(tracker)
+    assert value(text, "tqmon_resume_under_submitted_prompt_groups") == 15  # 24 - (20 - 15 + 4)
+    assert value(text, "tqmon_resume_under_submitted_lower_bound") == 0
+    assert record.cost.wasted_rollouts == 15 * 4  # the cost reads the same complete doomed counts
+
+    blind = Tracker(StateStore(None), given=GivenConfig("colocate_async", config, "flags"))
+    CheckpointSource(root, blind, interval=1.0).poll()  # no metric read: filtered unknown, a lower bound
+    blind.ingest(events, "log")
+    assert value(metrics(blind), "tqmon_resume_under_submitted_prompt_groups") == 8  # 24 - (20 - 8 + 4)
+    assert value(metrics(blind), "tqmon_resume_under_submitted_lower_bound") == 1
+    assert blind.snapshot.last_record is not None and blind.snapshot.last_record.cost.wasted_rollouts is None
+
+
+def test_analyze_reads_dapo_verdicts_from_the_checkpoint_dir(root: Path, tmp_path: Path) -> None:
+    """analyze --checkpoint-dir gives the storage units DAPO's metric, as serve's checkpoint source does."""
+    log = tmp_path / "trainer.log"
+    log.write_text(RESUME_LOG.format(root=root))
+    dapo = ["--train-batch-size", "8", "--num-warmup-batches", "3", "--max-off-policy-threshold", "4"]
+    dapo += ["--filter-groups", "--filter-groups-metric", "reward", "--rollout-n", "4"]
+    result = CliRunner().invoke(main, ["analyze", "--json", "--checkpoint-dir", str(root), *dapo, str(log)])
+    assert result.exit_code == 0, result.output
+    (record,) = json.loads(result.stdout)["records"]
+    assert record["doomed"] == {"failure": 4, "stale": 4, "filtered": 7}
+    assert (record["under_submitted"], record["under_submitted_lower_bound"]) == (15, False)
+    assert record["cost"]["wasted_rollouts"] == 60

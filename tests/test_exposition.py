@@ -17,10 +17,12 @@ from prometheus_client.parser import text_string_to_metric_families
 from mixin import docs
 from mixin.repo import repo_root
 from tqmon.catalog import BY_NAME, CATALOG, MetricType, Stability
+from tqmon.cost import ResumeCost
 from tqmon.exporters.prometheus import build_registry, render
 from tqmon.snapshot import (
     CheckpointView,
     Evidence,
+    OTLPView,
     ResumeRecord,
     RunInfo,
     Snapshot,
@@ -58,6 +60,7 @@ def full_snapshot(now: float = NOW) -> Snapshot:
         first_step_evictions={"failure": 2, "stale": 0, "filtered": 0},
         first_step_generation_wait_seconds=31.5,
         evidence=(Evidence("log", "checkpoint_restored", "log:1", now - 119, "restored_prompt_groups=9"),),
+        cost=ResumeCost(steps_lost=3, downtime_seconds=95.0, time_to_first_step_seconds=180.5, wasted_rollouts=24),
     )
     return Snapshot(
         built_at=now,
@@ -100,6 +103,7 @@ def full_snapshot(now: float = NOW) -> Snapshot:
             Tally.LOG_LINES: {("event",): 12, ("ignored",): 30, ("malformed",): 1},
             Tally.SOURCE_ERRORS: {("log", "malformed_line"): 1, ("tq", "timeout"): 3},
         },
+        otlp=OTLPView({"metrics": 3, "logs": 1}, 2),
     )
 
 
@@ -202,7 +206,8 @@ def test_collect_reads_the_current_snapshot_on_every_scrape() -> None:
 
 def test_metrics_doc_matches_the_catalog() -> None:
     assert (repo_root() / docs.METRICS_DOC).read_text() == docs.render(), "docs/metrics.md drifted: run `make docs`"
-    rows = {line.split(" | ")[0].strip("| `"): line for line in docs.render().splitlines() if line.startswith("| `")}
+    catalog_table = docs.render().split("\n## ")[0]  # the OTLP mapping's tables follow
+    rows = {line.split(" | ")[0].strip("| `"): line for line in catalog_table.splitlines() if line.startswith("| `")}
     assert set(rows) == {spec.name for spec in CATALOG}
     for spec in CATALOG:
         assert f" | {spec.stability.value} | " in rows[spec.name], spec.name

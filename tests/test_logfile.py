@@ -748,13 +748,19 @@ def test_analyze_json_gives_the_records_of_the_demo_log() -> None:
         assert {e["source"] for e in record["evidence"]} == {"log"}
 
 
-def test_analyze_split_or_repeated_logs_give_the_same_records(tmp_path: Path) -> None:
-    whole = analyze_json(DEMO_LOG)
+def split_demo_log(tmp_path: Path) -> tuple[Path, Path]:
+    """The demo log rotated at the preemption: the older half and the newer half."""
     lines = DEMO_LOG.read_text().splitlines(keepends=True)
     cut = next(i for i, line in enumerate(lines) if "node preempted" in line)
     head, tail = tmp_path / "trainer.log.1", tmp_path / "trainer.log"
     head.write_text("".join(lines[:cut]))
     tail.write_text("".join(lines[cut:]))
+    return head, tail
+
+
+def test_analyze_split_or_repeated_logs_give_the_same_records(tmp_path: Path) -> None:
+    whole = analyze_json(DEMO_LOG)
+    head, tail = split_demo_log(tmp_path)
 
     assert analyze_json(head, tail) == whole
     assert analyze_json(DEMO_LOG, DEMO_LOG) == whole  # content ids: the second copy adds nothing
@@ -803,11 +809,7 @@ def test_analyze_refuses_a_file_that_is_not_a_trainer_log(tmp_path: Path, name: 
 
 def test_analyze_sorts_logs_given_out_of_time_order_and_says_so(tmp_path: Path) -> None:
     whole = analyze_json(DEMO_LOG)
-    lines = DEMO_LOG.read_text().splitlines(keepends=True)
-    cut = next(i for i, line in enumerate(lines) if "node preempted" in line)
-    head, tail = tmp_path / "trainer.log.1", tmp_path / "trainer.log"
-    head.write_text("".join(lines[:cut]))
-    tail.write_text("".join(lines[cut:]))
+    head, tail = split_demo_log(tmp_path)
 
     swapped = analyze_json(tail, head)  # newest first, as `ls -t` would list them
     assert swapped["records"] == whole["records"]

@@ -23,6 +23,7 @@ import tqmon
 ROOT = Path(__file__).resolve().parent.parent
 # Runtime modules that run inside a process which already has an extra installed (the module says so).
 NEEDS_EXTRA = {
+    "tqmon.exporters.otlp": "otel",  # imported only when --otlp-endpoint is set
     "tqmon.integrations.verl": "verl",  # loaded by verl itself, as its trainer plugin
     "tqmon.sim.replay": "tq",  # the simulated trainer drives a real TransferQueue
     "tqmon.sim.rollout": "tq",

@@ -335,7 +335,7 @@ def test_flagged_resume_in_chromium(tqmon_factory: Factory, tmp_path: Path) -> N
     assert "Orphan trajectories: 7" in checkpoint.text()
 
     jsonl = dom.find(data_source="jsonl")
-    assert "DOWN" in jsonl.text() and f"no file matches {missing_jsonl}" in jsonl.text()
+    assert "DOWN" in jsonl.text() and f"{missing_jsonl} does not exist (yet): waiting" in jsonl.text()
     assert "up" in dom.find(data_source="events").text()
 
     states = conditions(dom)

@@ -64,9 +64,10 @@ SOURCES = tuple(source.value for source in SourceName)
 WINDOW_STATUSES = ("ok", "under_filled", "over_filled", "unknown")
 TRAINER_MODES = ("colocate_async", "separate_async", "sync", "unknown")
 REJECT_REASONS = ("malformed_json", "invalid_event", "unknown_type", "too_large", "unauthorized")
-SOURCE_ERROR_REASONS = ("read_error", "malformed_line", "timeout", "unavailable", "invalid_data")
+SOURCE_ERROR_REASONS = ("read_error", "malformed_line", "timeout", "unavailable", "invalid_data", "too_large")
 EVENT_OUTCOMES = ("applied", "duplicate")
 LOG_LINE_OUTCOMES = ("event", "ignored", "malformed")
+OTLP_SIGNALS = ("metrics", "logs")
 AGE_BUCKETS = (0.0, 1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0)
 
 PARTITION = Label("partition", PARTITIONS, "TransferQueue partition: `train` or `val`.")
@@ -232,7 +233,8 @@ CATALOG: tuple[MetricSpec, ...] = (
     MetricSpec(
         "tqmon_checkpoint_doomed_prompt_groups",
         MetricType.GAUGE,
-        "Prompt groups the first sample after a resume from the latest checkpoint would evict, by reason.",
+        "Prompt groups the first sample after a resume from the latest checkpoint would evict, by reason "
+        "(filtered under DAPO only with algorithm.filter_groups.metric: read from the storage units).",
         "prompt_groups",
         (REASON,),
     ),
@@ -355,6 +357,47 @@ CATALOG: tuple[MetricSpec, ...] = (
         "Trainer log lines read: turned into an event, ignored (other output), or malformed (skipped).",
         "",
         (Label("outcome", LOG_LINE_OUTCOMES, "What happened to the line."),),
+    ),
+    # OTLP push (only with --otlp-endpoint).
+    MetricSpec(
+        "tqmon_otlp_export_failures_total",
+        MetricType.COUNTER,
+        "OTLP exports that failed after the SDK's retries (Collector down, slow or answering an error), by signal.",
+        "",
+        (Label("signal", OTLP_SIGNALS, "OTLP signal: `metrics` or `logs`."),),
+    ),
+    MetricSpec(
+        "tqmon_otlp_log_records_dropped_total",
+        MetricType.COUNTER,
+        "Resume log records dropped undelivered because the bounded OTLP log queue was full.",
+    ),
+    # What the last resume cost (ml-goodput-measurement's badput); absent when unknown or after a fresh start.
+    MetricSpec(
+        "tqmon_resume_lost_steps",
+        MetricType.GAUGE,
+        "Steps trained after the checkpoint the last resume loaded and lost at the stop: the last step completed "
+        "before the stop minus the checkpoint step N.",
+        "steps",
+    ),
+    MetricSpec(
+        "tqmon_resume_downtime_seconds",
+        MetricType.GAUGE,
+        "From the trainer's last timestamped activity before the stop to the last resume's first line.",
+        "seconds",
+    ),
+    MetricSpec(
+        "tqmon_resume_time_to_first_step_seconds",
+        MetricType.GAUGE,
+        "From the last resume's first line until its first step completed: restore, re-issue, warmup and the "
+        "step itself (the warmup line's time plus verl's timing_s/step).",
+        "seconds",
+    ),
+    MetricSpec(
+        "tqmon_resume_wasted_rollouts",
+        MetricType.GAUGE,
+        "Rollouts of the restored groups the first sample after the last resume evicts: doomed prompt groups "
+        "times actor_rollout_ref.rollout.n.",
+        "rollouts",
     ),
 )
 

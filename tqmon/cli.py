@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import sys
@@ -18,13 +19,19 @@ from pydantic.fields import FieldInfo
 from tqmon import __version__
 from tqmon.rules import RuleConfig
 from tqmon.server import serve_forever
-from tqmon.service import LISTEN_DEFAULT, ConfigError, ServiceConfig
+from tqmon.service import LISTEN_DEFAULT, ConfigError, ServiceConfig, StartupError
 from tqmon.sim.cli import sim
 from tqmon.sim.scenarios import SCENARIOS
 from tqmon.warmup import TRAINER_MODES, GivenConfig, TrainerConfig, verl_setting
 
 FC = TypeVar("FC", bound=Callable[..., Any])
 T = TypeVar("T")
+
+
+class SettingError(click.ClickException):
+    """A flag that cannot work: one line ``Error: ...`` (no usage block), exit status 2 like click's own."""
+
+    exit_code = 2
 
 
 def parse_listen(value: str) -> tuple[str, int]:
@@ -53,7 +60,7 @@ def settings_options(cls: type, env_prefix: str = "") -> Callable[[FC], FC]:
             if get_origin(hint) is Literal:
                 kwargs["type"] = click.Choice(get_args(hint))
             elif Path in kinds:
-                kwargs["type"] = click.Path(file_okay=False, path_type=Path)
+                kwargs["type"] = click.Path(path_type=Path)  # ServiceConfig.validate says what is wrong, in one line
             else:
                 kwargs["type"] = str if many else next(k for k in kinds if isinstance(k, type))
             if spec.default not in (None, ()):
@@ -117,6 +124,8 @@ def _setting_option(name: str, spec: FieldInfo) -> Callable[[FC], FC]:
         kwargs |= {"type": click.Choice(sorted(args)), "default": spec.default, "show_default": True}
     elif spec.annotation == int | None and spec.default is not None:  # a number or null
         kwargs |= {"metavar": "INT|null", "callback": _threshold, "default": str(spec.default), "show_default": True}
+    elif str in args:  # a name, or none
+        kwargs |= {"metavar": "NAME", "default": None}
     else:
         number = next(arg for arg in (spec.annotation, *args) if arg in (int, float))
         positive = any(getattr(item, "gt", None) == 0 for item in spec.metadata)
@@ -152,7 +161,7 @@ class TrainerFlags:
             try:
                 return load_trainer_config(self.trainer_config)
             except HydraConfigError as err:
-                raise click.BadParameter(str(err), param_hint="--trainer-config") from None
+                raise SettingError(f"--trainer-config: {err}") from None
         if len(self.missing) == len(REQUIRED_SETTINGS):
             return None
         if self.missing:
@@ -227,7 +236,9 @@ def serve(trainer: TrainerFlags, **flags: Any) -> None:
     try:
         serve_forever(config)
     except ConfigError as err:
-        raise click.UsageError(str(err)) from err
+        raise SettingError(str(err)) from None
+    except StartupError as err:
+        raise click.ClickException(str(err)) from None
 
 
 @main.command()
@@ -310,22 +321,76 @@ def inspect_checkpoint(checkpoint_dir: Path, step: int | None, as_json: bool, tr
     """Preflight a resume: what restoring CHECKPOINT_DIR's TransferQueue state will do.
 
     CHECKPOINT_DIR is verl's trainer.default_local_dir (its latest checkpoint), a global_step_N dir or
-    its transfer_queue dir. Prints R by status and age, K, the doomed groups, the orphan trajectories and,
-    with --train-batch-size and --num-warmup-batches, T, M, O and the under-submission. Reads only.
+    its transfer_queue dir (a run dir gets the checkpoint dirs below it suggested). Prints R by status and age,
+    K, the doomed groups, the orphan trajectories and, with --trainer-config (or --train-batch-size and
+    --num-warmup-batches), T, M, O and the under-submission. Reads only.
     """
-    from tqmon.checkpoint.layout import read_checkpoint, resolve
+    from tqmon.checkpoint.layout import NoCheckpointYet, latest_step, read_checkpoint, resolve
     from tqmon.checkpoint.preflight import preflight, render
     from tqmon.checkpoint.unpickler import CheckpointError
 
     root, resolved = resolve(checkpoint_dir)
     given = trainer.resolve()
+    if trainer.trainer_config is not None:
+        _warn_if_elsewhere(trainer.trainer_config, root)
+    chosen_by = f"--step {step}" if step is not None else None if resolved is None else f"the path {checkpoint_dir}"
     try:
-        reading = read_checkpoint(root, step if step is not None else resolved, progress=_progressbar)
+        reading = read_checkpoint(
+            root,
+            step if step is not None else resolved,
+            progress=_progressbar,
+            filter_metric=None if given is None else given.config.dapo_metric,
+        )
+    except NoCheckpointYet:
+        raise click.ClickException(_not_a_checkpoint_dir(root)) from None
     except CheckpointError as err:
         raise click.ClickException(str(err)) from None
+    latest = None
+    if chosen_by is not None:
+        with contextlib.suppress(CheckpointError):  # no or a broken latest file: verl would not pick a step
+            latest = latest_step(root)
     warmup = None if given is None else given.warmup
-    result = preflight(reading, warmup)
+    result = preflight(reading, warmup, chosen_by=chosen_by, latest=latest)
     click.echo(json.dumps(result.to_json(), indent=2) if as_json else render(result))
+
+
+def _not_a_checkpoint_dir(root: Path) -> str:
+    """What ``tqmon inspect`` expected of a dir without a checkpoint, and the path the user probably meant."""
+    from tqmon.checkpoint.layout import LATEST_FILE, checkpoint_dirs_below, saved_steps
+
+    missing = f"{root} has no {LATEST_FILE}"
+    candidates = checkpoint_dirs_below(root)
+    if candidates:
+        return f"{missing}; did you mean {' or '.join(map(str, candidates))}?"
+    steps = saved_steps(root)
+    if steps:
+        return f"{missing}, but holds global_step_{steps[-1]}: inspect it with --step {steps[-1]}"
+    return (
+        f"{missing} and no global_step_N dir: expected verl's trainer.default_local_dir (the dir of {LATEST_FILE} "
+        "and global_step_N/), a global_step_N dir or its transfer_queue dir; no checkpoint saved yet?"
+    )
+
+
+def _warn_if_elsewhere(config_path: Path, root: Path) -> None:
+    """Warn when the trainer config saves its checkpoints somewhere else than the dir inspected."""
+    from tqmon.hydra_config import read_setting
+
+    saved_to = read_setting(config_path, "trainer.default_local_dir")
+    if not isinstance(saved_to, str) or not saved_to:
+        return
+    configured, inspected = Path(saved_to), root.resolve()
+    # A relative default_local_dir is relative to the trainer's working dir, which the config does not record.
+    same = (
+        configured.resolve() == inspected
+        if configured.is_absolute()
+        else inspected.parts[-len(configured.parts) :] == configured.parts
+    )
+    if not same:
+        click.echo(
+            f"warning: {config_path} saves checkpoints to trainer.default_local_dir={saved_to}, "
+            f"not to {root}: is it the config of this run?",
+            err=True,
+        )
 
 
 @main.command()

@@ -22,17 +22,40 @@ class HydraConfigError(ValueError):
     """The file cannot give a trainer config; the message names the file and the key."""
 
 
+def _load(path: Path) -> Any:
+    """The file as an OmegaConf config; a malformed one is one line naming the file and the line."""
+    import yaml
+    from omegaconf import OmegaConf
+
+    try:
+        return OmegaConf.load(path)
+    except OSError as err:
+        raise HydraConfigError(f"{path}: {err.strerror or err}") from None
+    except yaml.MarkedYAMLError as err:
+        mark = err.problem_mark or err.context_mark
+        where = "" if mark is None else f" line {mark.line + 1}, column {mark.column + 1}:"
+        raise HydraConfigError(f"{path}:{where} invalid YAML: {err.problem or err.context}") from None
+    except Exception as err:  # other yaml.YAMLError and OmegaConf's own errors on a malformed file
+        raise HydraConfigError(f"{path}: not a YAML mapping: {' '.join(str(err).split())}") from None
+
+
+def read_setting(path: Path, key: str) -> Any:
+    """One key of the config (interpolations resolved), or None when it is absent or cannot be resolved."""
+    from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+
+    try:
+        return OmegaConf.select(_load(path), key, default=None)
+    except OmegaConfBaseException:
+        return None
+
+
 def load_trainer_config(path: Path) -> GivenConfig:
     """The trainer mode and config from a resolved or unresolved verl config file."""
     from omegaconf import OmegaConf
     from omegaconf.errors import OmegaConfBaseException
 
-    try:
-        cfg = OmegaConf.load(path)
-    except OSError as err:
-        raise HydraConfigError(f"{path}: {err.strerror or err}") from None
-    except Exception as err:  # yaml.YAMLError and OmegaConf's own errors on a malformed file
-        raise HydraConfigError(f"{path}: not a YAML mapping: {err}") from None
+    cfg = _load(path)
 
     def get(key: str, default: Any = _MISSING) -> Any:
         try:

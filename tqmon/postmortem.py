@@ -127,16 +127,21 @@ def in_time_order(per_file: Sequence[tuple[str, list[Event]]]) -> tuple[list[Eve
     return [event for _, _, event in ordered], f"records out of time order in {given}: sorted by their timestamps"
 
 
-def checkpoint_events(root: Path) -> tuple[list[Event], list[str]]:
-    """Every ``global_step_N`` under ``root`` (oldest first), so each resume gets the composition it loaded."""
+def checkpoint_events(root: Path, filter_metric: str | None = None) -> tuple[list[Event], list[str]]:
+    """Every ``global_step_N`` under ``root`` (oldest first), so each resume gets the composition it loaded;
+    with DAPO's ``filter_metric`` also its filtered groups, read from the storage units as ``serve`` does."""
     steps = sorted(int(p.name.rsplit("_", 1)[1]) for p in root.glob(STEP_DIR.format("*")) if _step_dir(p))
     events: list[Event] = []
     notes: list[str] = []
     for step in steps:
         try:
-            events.append(read_checkpoint(root, step).to_event())
+            reading = read_checkpoint(root, step, filter_metric=filter_metric)
         except CheckpointError as err:
             notes.append(f"checkpoint {STEP_DIR.format(step)} skipped: {err}")
+            continue
+        if reading.filter_error is not None:
+            notes.append(f"checkpoint {STEP_DIR.format(step)}: DAPO's filtered groups unknown: {reading.filter_error}")
+        events.append(reading.to_event())
     if not steps:
         notes.append(f"no {STEP_DIR.format('N')} in {root}: doomed groups come from the logs alone")
     return events, notes
@@ -161,7 +166,7 @@ def analyze(
     notes: list[str] = []
     if checkpoint_dir is not None:
         tracker.register_source(SourceName.CHECKPOINT, stale_after=None)
-        events, skipped = checkpoint_events(checkpoint_dir)
+        events, skipped = checkpoint_events(checkpoint_dir, given.config.dapo_metric if given is not None else None)
         notes += skipped
         tracker.ingest(events, SourceName.CHECKPOINT)
     tracker.register_source(SourceName.LOG, stale_after=None)

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import errno
 import hmac
 import json
 import logging
+import socket
 import sys
 import time
 from collections.abc import AsyncIterator, Callable
@@ -25,7 +27,7 @@ from tqmon.exporters.html import render as render_status_page
 from tqmon.exporters.prometheus import render
 from tqmon.report import verdict
 from tqmon.rules import render as render_rules
-from tqmon.service import Service, ServiceConfig
+from tqmon.service import Service, ServiceConfig, StartupError
 from tqmon.snapshot import CheckpointView, ResumeRecord, RunInfo, Snapshot, SourceName, TQPollView, WindowView
 
 EVENTS_ADAPTER: TypeAdapter[list[Event]] = TypeAdapter(list[Event])
@@ -47,6 +49,17 @@ class Problem(BaseModel):
 
 class Health(BaseModel):
     status: str
+
+
+READYZ_RULES = (
+    "200 when both hold, else 503: (1) at least one source has succeeded since tqmon started; (2) every "
+    "configured source is up: its last look succeeded and, for a polled source, no longer ago than its horizon "
+    "(log and jsonl: max(30 s, 10 x --log-interval); checkpoint: max(30 s, 10 x --checkpoint-interval); tq: "
+    "3 x its current poll interval + the kv_list timeout, at least 30 s). The event API is up while tqmon serves. "
+    "A checkpoint dir where verl has saved no checkpoint yet is a state, not a failure: the checkpoint source is "
+    "up and its series are absent until the first save. A --log or --jsonl file that does not exist yet keeps its "
+    "source down. `problems` names each down source with its last error, and 'no source has succeeded yet'."
+)
 
 
 class Readiness(BaseModel):
@@ -163,7 +176,7 @@ def create_app(service: Service, clock: Callable[[], float] = time.time) -> Fast
     def healthz() -> Health:
         return Health(status="ok")
 
-    @app.get("/readyz", responses={503: {"model": Readiness}})
+    @app.get("/readyz", responses={503: {"model": Readiness}}, description=READYZ_RULES)
     def readyz() -> JSONResponse:
         snapshot = service.tracker.snapshot
         now = clock()
@@ -245,11 +258,51 @@ def create_app(service: Service, clock: Callable[[], float] = time.time) -> Fast
     return app
 
 
+Address = tuple[int, int, int, Any]  # getaddrinfo's family, type, proto and sockaddr
+
+
+def resolve(host: str, port: int) -> Address:
+    """``--listen``'s host as an address to bind; an unknown host is named."""
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    except socket.gaierror as err:
+        raise StartupError(f"--listen: cannot resolve host {host!r}: {err.strerror}") from None
+    return family, kind, proto, address
+
+
+def bind(host: str, port: int, resolved: Address) -> socket.socket:
+    """The listening socket, before anything says it serves; a refusal is one sentence."""
+    family, kind, proto, address = resolved
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(address)
+        sock.listen(2048)
+    except OSError as err:
+        sock.close()
+        problem = {
+            errno.EADDRINUSE: f"port {port} is already in use (another tqmon?)",
+            errno.EADDRNOTAVAIL: f"{host} is not an address of this machine",
+            errno.EACCES: f"not allowed to listen on port {port}",
+        }.get(err.errno or 0, f"cannot listen: {err.strerror or err}")
+        raise StartupError(f"--listen {host}:{port}: {problem}") from None
+    return sock
+
+
 def serve_forever(config: ServiceConfig) -> None:
-    """Run until stopped; a setting that cannot work raises :class:`tqmon.service.ConfigError` first."""
+    """Run until stopped; a setting that cannot work raises :class:`tqmon.service.ConfigError` first, and
+    one the machine refuses :class:`tqmon.service.StartupError`; "serving on" comes once the socket listens."""
     logging.basicConfig(level=config.log_level.upper(), format="%(levelname)s:%(asctime)s:%(name)s:%(message)s")
-    service = Service(config)
     host, port = config.address
+    resolved = resolve(host, port)
+    config.validate()
+    sock = bind(host, port, resolved)
+    try:
+        service = Service(config, announce=lambda line: print(line, file=sys.stderr, flush=True))
+    except BaseException:
+        sock.close()
+        raise
     shown = f"[{host}]" if ":" in host else host
-    print(f"tqmon {__version__} serving on http://{shown}:{port}/  (metrics: /metrics)", file=sys.stderr)
-    uvicorn.run(create_app(service), host=host, port=port, log_level=config.log_level, access_log=False)
+    print(f"tqmon {__version__} serving on http://{shown}:{port}/  (metrics: /metrics)", file=sys.stderr, flush=True)
+    server = uvicorn.Server(uvicorn.Config(create_app(service), log_level=config.log_level, access_log=False))
+    server.run(sockets=[sock])

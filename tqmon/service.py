@@ -4,15 +4,17 @@ from __future__ import annotations
 
 import ipaddress
 import logging
+import sqlite3
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from prometheus_client import CollectorRegistry
 
 from tqmon.binding import Identity, StateDirTaken, bind, run_identity
 from tqmon.exporters.prometheus import build_registry
-from tqmon.snapshot import SourceName
+from tqmon.snapshot import Snapshot, SourceName
 from tqmon.sources.checkpoint import CheckpointSource
 from tqmon.sources.logfile import LogSource, parse_jsonl
 from tqmon.sources.polling import Source
@@ -20,6 +22,9 @@ from tqmon.sources.tq import PollBudget, PollerProcess, PollSettings, TQSource
 from tqmon.store import StateStore
 from tqmon.tracker import Tracker
 from tqmon.warmup import GivenConfig
+
+if TYPE_CHECKING:
+    from tqmon.exporters.otlp import OTLPExporter
 
 LISTEN_DEFAULT = "127.0.0.1:9842"
 LogLevel = Literal["debug", "info", "warning", "error"]
@@ -37,6 +42,10 @@ def is_loopback(host: str) -> bool:
 
 class ConfigError(ValueError):
     """A setting that cannot work; the message says which and why."""
+
+
+class StartupError(RuntimeError):
+    """The machine refuses a valid setting (a port in use, an unknown host, a state dir tqmon cannot create)."""
 
 
 def _setting(default: Any, help: str, *, metavar: str | None = None) -> Any:
@@ -94,13 +103,25 @@ class ServiceConfig:
     tq: PollSettings = field(default_factory=PollSettings)  # the --tq-* flags
     trainer: GivenConfig | None = None  # the trainer flags or --trainer-config; run_started overrides it
     process_metrics: bool = True
+    otlp_endpoint: str | None = _setting(
+        None,
+        "Also push the metrics and resume log records over OTLP/HTTP to URL/v1/metrics and URL/v1/logs "
+        "(needs the otel extra). Honours OTEL_EXPORTER_OTLP_ENDPOINT (this flag wins), "
+        "OTEL_EXPORTER_OTLP_METRICS_ENDPOINT and OTEL_EXPORTER_OTLP_LOGS_ENDPOINT (they win for their signal), "
+        "OTEL_EXPORTER_OTLP_HEADERS, OTEL_EXPORTER_OTLP_PROTOCOL (http/protobuf), OTEL_EXPORTER_OTLP_COMPRESSION, "
+        "OTEL_EXPORTER_OTLP_TIMEOUT (ms), OTEL_EXPORTER_OTLP_CERTIFICATE, OTEL_METRIC_EXPORT_INTERVAL (ms), "
+        "OTEL_RESOURCE_ATTRIBUTES, OTEL_SERVICE_NAME, and POD_NAME, POD_NAMESPACE (downward API). Default: off.",
+        metavar="URL",
+    )
 
     @property
     def address(self) -> tuple[str, int]:
         """``--listen`` as (host, port); ``HOST:PORT`` or ``[IPv6]:PORT``."""
         host, sep, port = self.listen.rpartition(":")
-        if not sep or not port.isdigit() or not 0 < int(port) < 65536 or not host:
+        if not sep or not port.isdigit() or not host:
             raise ConfigError(f"--listen: expected HOST:PORT (e.g. {LISTEN_DEFAULT}), got {self.listen!r}")
+        if not 0 < int(port) < 65536:
+            raise ConfigError(f"--listen: port out of range (1-65535): {port} in {self.listen!r}")
         return host.strip("[]"), int(port)
 
     @property
@@ -118,6 +139,9 @@ class ServiceConfig:
                 f"listening on {host} (not loopback) requires --token / TQMON_TOKEN: "
                 "the event API would otherwise accept anyone's events"
             )
+        for flag, path in (("--state-dir", self.state_dir), ("--checkpoint-dir", self.checkpoint_dir)):
+            if path is not None and path.exists() and not path.is_dir():
+                raise ConfigError(f"{flag} {path} is a file, not a directory")
         if self.stale_after <= 0:
             raise ConfigError(f"--stale-after must be positive, got {self.stale_after}")
         if self.log_interval <= 0:
@@ -135,18 +159,28 @@ class ServiceConfig:
 class Service:
     """Sources feed the tracker; the registry renders the tracker's snapshot."""
 
-    def __init__(self, config: ServiceConfig) -> None:
+    def __init__(self, config: ServiceConfig, announce: Callable[[str], None] | None = None) -> None:
+        """``announce`` receives each source's state line when it changes (see :class:`Tracker`)."""
         config.validate()
         self.config = config
+        self.otlp = (
+            otlp_exporter(config.otlp_endpoint, lambda: self.tracker.snapshot, config.address[1])
+            if config.otlp_endpoint
+            else None  # refused here, before any state is touched
+        )
         self.token = config.token or None
         self.max_body_bytes = config.max_body_bytes
-        self.store = StateStore(config.state_dir)
+        try:
+            self.store = StateStore(config.state_dir)
+        except (OSError, sqlite3.Error) as err:
+            detail = err.strerror if isinstance(err, OSError) and err.strerror else str(err)
+            raise StartupError(f"--state-dir {config.state_dir}: unusable: {detail}") from None
         try:
             bind(self.store, self.identity, config.state_dir)
         except StateDirTaken as err:
             self.store.close()
             raise ConfigError(str(err)) from None
-        self.tracker = Tracker(self.store, stale_after=config.stale_after, given=config.trainer)
+        self.tracker = Tracker(self.store, stale_after=config.stale_after, given=config.trainer, announce=announce)
         replayed = self.tracker.replay()
         if replayed:
             log.info("restored %d events from %s", replayed, self.store.path)
@@ -166,7 +200,12 @@ class Service:
             else None
         )
         self.checkpoint_source = (
-            CheckpointSource(config.checkpoint_dir, self.tracker, interval=config.checkpoint_interval)
+            CheckpointSource(
+                config.checkpoint_dir,
+                self.tracker,
+                interval=config.checkpoint_interval,
+                filter_metric=config.trainer.config.dapo_metric if config.trainer else None,
+            )
             if config.checkpoint_dir is not None
             else None
         )
@@ -175,9 +214,8 @@ class Service:
             if config.ray_address
             else None
         )
-        self.registry: CollectorRegistry = build_registry(
-            lambda: self.tracker.snapshot, process_metrics=config.process_metrics
-        )
+        current = self.otlp.current if self.otlp is not None else (lambda: self.tracker.snapshot)
+        self.registry: CollectorRegistry = build_registry(current, process_metrics=config.process_metrics)
 
     @property
     def identity(self) -> Identity:
@@ -194,8 +232,24 @@ class Service:
     def start(self) -> None:
         for source in self.sources:
             source.start()
+        if self.otlp is not None:
+            self.otlp.start()
 
     def stop(self) -> None:
         for source in self.sources:
             source.stop()
+        if self.otlp is not None:
+            self.otlp.stop()  # after the sources: the final flush carries their last word
         self.store.close()
+
+
+def otlp_exporter(endpoint: str, source: Callable[[], Snapshot], port: int) -> OTLPExporter:
+    """Imported only when enabled, so the base install needs no OpenTelemetry; errors are one line."""
+    try:
+        from tqmon.exporters.otlp import OTLPConfigError, OTLPExporter
+    except ImportError as err:
+        raise ConfigError(str(err)) from None
+    try:
+        return OTLPExporter.from_environment(endpoint, source, port=port)
+    except OTLPConfigError as err:
+        raise ConfigError(str(err)) from None

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from tqmon.cost import ResumeCost
 from tqmon.warmup import WarmupState
 
 
@@ -68,6 +69,7 @@ class ResumeRecord:
     under_submitted_lower_bound: bool = False
     # verl defaults assumed for settings no config gave (``setting=value``), where they decided a number.
     assumed_defaults: tuple[str, ...] = ()
+    cost: ResumeCost = field(default_factory=ResumeCost)  # what the resume cost; all unknown for a fresh start
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -145,6 +147,14 @@ class CheckpointView:
 
 
 @dataclass(frozen=True, slots=True)
+class OTLPView:
+    """The OTLP push exporter's delivery record; only present while ``--otlp-endpoint`` is on."""
+
+    export_failures: Mapping[str, int]  # signal -> exports that failed after the SDK's retries
+    dropped_log_records: int  # resume log records dropped because the bounded queue was full
+
+
+@dataclass(frozen=True, slots=True)
 class Snapshot:
     built_at: float
     version: str
@@ -163,6 +173,7 @@ class Snapshot:
     sources: tuple[SourceHealth, ...]
     counters: Mapping[Tally, Mapping[tuple[str, ...], int]]  # label values -> value
     records: tuple[ResumeRecord, ...] = ()  # every start, oldest first (records_total of them)
+    otlp: OTLPView | None = None  # set by the OTLP exporter on the snapshot it and /metrics render
 
     def fresh_windows(self, now: float) -> tuple[WindowView, ...]:
         """Windows observed within ``stale_after``: frozen data is never served as fresh."""

@@ -32,6 +32,8 @@ class _Health:
     last_success: float | None = None
     last_duration: float | None = None
     last_error: str | None = None
+    watching: str | None = None  # what the source reads (a path, an address), for its stderr lines
+    said: str | None = None  # the last state line announced; None while nothing was wrong
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,8 +54,11 @@ class Tracker:
         stale_after: float = 300.0,
         given: GivenConfig | None = None,
         clock: Callable[[], float] = time.time,
+        announce: Callable[[str], None] | None = None,
     ) -> None:
+        """``announce`` receives one line per change of a source's state (``tqmon serve`` prints it on stderr)."""
         self._store = store
+        self._announce = announce
         self._stale_after = stale_after
         self._clock = clock
         self._lock = threading.RLock()
@@ -121,18 +126,28 @@ class Tracker:
             self._commit((), [(Tally.EVENTS_REJECTED, (reason,), 1)])
             self._publish()
 
-    def register_source(self, source: str, stale_after: float | None) -> None:
-        """Declare a source; ``stale_after=None`` marks a push source (the API), up while tqmon serves."""
+    def register_source(self, source: str, stale_after: float | None, *, watching: str | None = None) -> None:
+        """Declare a source; ``stale_after=None`` marks a push source (the API), up while tqmon serves.
+
+        ``watching`` names what it reads, for the line announcing its recovery."""
         with self._lock:
-            self._health.setdefault(source, _Health(stale_after, ok=stale_after is None))
+            self._health.setdefault(source, _Health(stale_after, ok=stale_after is None, watching=watching))
             self._publish()
 
-    def source_succeeded(self, source: str, duration: float, *, stale_after: float | None = None) -> None:
-        """``stale_after`` moves the source's staleness horizon (a poller whose interval adapts)."""
+    def source_succeeded(
+        self, source: str, duration: float, *, stale_after: float | None = None, state: str | None = None
+    ) -> None:
+        """``stale_after`` moves the source's staleness horizon (a poller whose interval adapts); ``state``
+        names a healthy state worth a line (``no checkpoint saved yet``)."""
         with self._lock:
             health = self._health[source]
             if stale_after is not None:
                 health.stale_after = stale_after
+            if state is not None:
+                self._say(source, health, state)
+            elif health.said is not None:  # it recovers: say so once
+                self._say(source, health, f"{health.watching}: reading" if health.watching else "up")
+                health.said = None
             health.ok, health.last_success, health.last_duration, health.last_error = (
                 True,
                 self._clock(),
@@ -145,6 +160,7 @@ class Tracker:
         with self._lock:
             health = self._health[source]
             health.ok, health.last_error = False, message
+            self._say(source, health, message)
             if duration is not None:
                 health.last_duration = duration
             self._commit((), [(Tally.SOURCE_ERRORS, (source, reason), 1)])
@@ -200,6 +216,13 @@ class Tracker:
             self._publish()
 
     # ---------------------------------------------------------------- persisting and publishing
+
+    def _say(self, source: str, health: _Health, line: str) -> None:
+        """Announce a source's state when it changes: the one place its problems reach the operator."""
+        if line != health.said:
+            health.said = line
+            if self._announce is not None:
+                self._announce(f"{source}: {line}")
 
     def _commit(
         self,

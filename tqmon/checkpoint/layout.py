@@ -13,27 +13,28 @@ import io
 import json
 import os
 import re
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+from tqmon.checkpoint.storage import FilterVerdicts, filter_verdicts, with_verdicts
 from tqmon.checkpoint.unpickler import CheckpointError, PartitionState, restricted_load
-from tqmon.composition import EMPTY, Composition, CompositionError, Progress, compose
+from tqmon.composition import EMPTY, Composition, CompositionError, Progress, ProgressFactory, compose
 from tqmon.events import CheckpointSaved
 
 LATEST_FILE = "latest_checkpointed_iteration.txt"
 STEP_DIR = "global_step_{}"
+STEP_PATTERN = re.compile(r"global_step_(\d+)")
 TQ_DIR = "transfer_queue"
 METADATA_FILE = "metadata.json"
 CONTROLLER_FILE = "controller_state.pkl"
 TRAIN = "train"
-# A controller_state.pkl at least this big gets progress bars in ``tqmon inspect`` (~125 bytes per key).
+# A controller_state.pkl or storage unit at least this big gets progress bars in ``tqmon inspect``
+# (~125 bytes per key).
 LARGE_CHECKPOINT_BYTES = 4 << 20
-
-ProgressFactory = Callable[[str, int], AbstractContextManager[Progress]]
 
 
 class _NoProgress:
@@ -43,6 +44,17 @@ class _NoProgress:
 
 def _no_progress(label: str, total: int) -> AbstractContextManager[Progress]:
     return nullcontext(_NoProgress())
+
+
+def _large_only(progress: ProgressFactory | None) -> ProgressFactory:
+    """``progress`` for a file of at least :data:`LARGE_CHECKPOINT_BYTES`; smaller ones are read before a bar helps."""
+
+    def factory(label: str, total: int) -> AbstractContextManager[Progress]:
+        if progress is None or total < LARGE_CHECKPOINT_BYTES:
+            return _no_progress(label, total)
+        return progress(label, total)
+
+    return factory
 
 
 class _ProgressReader:
@@ -68,8 +80,9 @@ class _ProgressReader:
         return data
 
 
-def partition_tags(state: object, partition_id: str = TRAIN) -> dict[str, Any]:
-    """``{key: tag}`` of one partition of an unpickled controller state, exactly as ``kv_list`` builds it.
+def partition_keys(state: object, partition_id: str = TRAIN) -> list[tuple[str, object, object]]:
+    """``(key, global index, tag)`` of one partition of an unpickled controller state, in ``keys_mapping``
+    order: the tags as ``kv_list`` builds them, the indexes where the storage units hold each key's fields.
 
     A partition that does not exist is empty (verl then restores 0 prompt groups).
     """
@@ -77,19 +90,19 @@ def partition_tags(state: object, partition_id: str = TRAIN) -> dict[str, Any]:
         raise CheckpointError("invalid_data", "controller state has no 'partitions' dict")
     partition = state["partitions"].get(partition_id)
     if partition is None:
-        return {}
+        return []
     if not isinstance(partition, PartitionState):
         raise CheckpointError("invalid_data", f"partition {partition_id!r} is {type(partition).__name__}")
     keys_mapping = partition.state.get("keys_mapping")
     custom_meta = partition.state.get("custom_meta")
     if not isinstance(keys_mapping, dict) or not isinstance(custom_meta, dict):
         raise CheckpointError("invalid_data", f"partition {partition_id!r} lacks keys_mapping/custom_meta dicts")
-    tags: dict[str, Any] = {}
+    keys: list[tuple[str, object, object]] = []
     for key, index in keys_mapping.items():
         if not isinstance(key, str):
             raise CheckpointError("invalid_data", f"partition {partition_id!r} has a non-string key {key!r}")
-        tags[key] = custom_meta.get(index, {})
-    return tags
+        keys.append((key, index, custom_meta.get(index, {})))
+    return keys
 
 
 @dataclass(frozen=True, slots=True)
@@ -104,23 +117,33 @@ class CheckpointReading:
     storage_saved: bool | None = None
     saved_at_ns: int = 0  # mtime of controller_state.pkl (or of global_step_N without a TQ dir)
     size_bytes: int = 0  # of controller_state.pkl
+    filter_verdicts: FilterVerdicts | None = None  # DAPO's, read from the storage units when its metric is known
+    filter_error: CheckpointError | None = None  # why the verdicts could not be read (the composition stands)
 
     @property
     def event_id(self) -> str:
         return f"checkpoint:{self.step}:{self.saved_at_ns}"
 
     def to_event(self) -> CheckpointSaved:
-        """The one event the checkpoint source ingests for this checkpoint."""
+        """The one event the checkpoint source ingests for this checkpoint: with DAPO's verdicts once every
+        finished group has one (a missing metric decides nothing)."""
         c = self.composition
+        groups = c.group_counts()
+        verdicts = self.filter_verdicts if self.filter_verdicts is not None and self.filter_verdicts.decided else None
         return CheckpointSaved(
             id=self.event_id,
             time=datetime.fromtimestamp(self.saved_at_ns / 1e9, UTC),
             step=self.step,
             path=str(self.tq_dir or self.root / STEP_DIR.format(self.step)),
             by_status=c.by_status,
-            groups=c.group_counts(),
+            groups=groups if verdicts is None else with_verdicts(groups, verdicts),
             orphan_trajectories=c.orphan_trajectories,
+            filter_metric=None if verdicts is None else verdicts.metric,
         )
+
+
+class NoCheckpointYet(CheckpointError):
+    """No ``latest_checkpointed_iteration.txt``: verl has saved nothing there yet (a state, not a failure)."""
 
 
 def latest_step(root: Path) -> int:
@@ -129,9 +152,8 @@ def latest_step(root: Path) -> int:
     try:
         raw = path.read_bytes()
     except FileNotFoundError:
-        if not root.is_dir():
-            raise CheckpointError("unavailable", f"checkpoint dir {root} does not exist") from None
-        raise CheckpointError("unavailable", f"{path} does not exist: no checkpoint saved yet") from None
+        yet = "" if root.is_dir() else f" ({root} does not exist yet)"
+        raise NoCheckpointYet("unavailable", f"no checkpoint saved yet: {path} does not exist{yet}") from None
     except OSError as err:
         raise CheckpointError("read_error", f"{path}: {err.strerror or err}") from None
     try:
@@ -143,10 +165,17 @@ def latest_step(root: Path) -> int:
     return step
 
 
-def step_dirs(root: Path, step: int) -> tuple[Path, Path | None]:
-    """``global_step_N`` and the TQ dir a resume loads (TQ rolls back to ``transfer_queue.old`` after a crash)."""
+def step_dirs(root: Path, step: int, *, chosen: bool = False) -> tuple[Path, Path | None]:
+    """``global_step_N`` and the TQ dir a resume loads (TQ rolls back to ``transfer_queue.old`` after a crash).
+
+    ``chosen``: the user asked for step N (``inspect --step``), the latest file did not name it."""
     step_dir = root / STEP_DIR.format(step)
     if not step_dir.is_dir():
+        if chosen:
+            saved = ", ".join(map(str, saved_steps(root))) or "none"
+            raise CheckpointError(
+                "read_error", f"step {step} was asked for, but {step_dir} does not exist (saved: {saved})"
+            )
         raise CheckpointError(
             "read_error", f"{root / LATEST_FILE} says {step}, but {step_dir} does not exist (verl would start fresh)"
         )
@@ -208,16 +237,19 @@ def read_metadata(tq_dir: Path, step: int) -> tuple[bool | None, dict[str, Any]]
 
 
 def read_checkpoint(
-    root: Path, step: int | None = None, *, progress: ProgressFactory | None = None
+    root: Path, step: int | None = None, *, progress: ProgressFactory | None = None, filter_metric: str | None = None
 ) -> CheckpointReading:
     """Read ``global_step_N`` (default: the latest) without writing anything; raises :class:`CheckpointError`.
 
     ``progress`` is called for the read and the classification of a checkpoint of at least
-    :data:`LARGE_CHECKPOINT_BYTES`.
+    :data:`LARGE_CHECKPOINT_BYTES`, and for each storage unit of that size. ``filter_metric`` (DAPO's
+    ``algorithm.filter_groups.metric``) also reads the storage units for the verdicts; a failure there is
+    kept as ``filter_error`` and the composition stands.
     """
+    chosen = step is not None
     if step is None:
         step = latest_step(root)
-    step_dir, tq_dir = step_dirs(root, step)
+    step_dir, tq_dir = step_dirs(root, step, chosen=chosen)
     if tq_dir is None:
         # verl restores TQ only if global_step_N/transfer_queue exists (it never does in sync mode).
         saved_at = _stat(step_dir).st_mtime_ns
@@ -238,14 +270,23 @@ def read_checkpoint(
     except CheckpointError as err:
         raise CheckpointError(err.reason, f"{path}: {err}") from None
     try:
-        tags = partition_tags(state)
+        keys = partition_keys(state)
+        tags = {key: tag for key, _, tag in keys}
         with factory(f"classifying {len(tags)} keys", len(tags)) as bar:
             composition = compose(tags, bar)
     except CheckpointError as err:
         raise CheckpointError(err.reason, f"{path}: {err}") from None
     except CompositionError as err:
         raise CheckpointError("invalid_data", f"{path}: {err}") from None
-    return CheckpointReading(root, step, tq_dir, composition, user, storage_saved, st.st_mtime_ns, st.st_size)
+    verdicts, filter_error = None, None
+    if filter_metric is not None:
+        try:
+            verdicts = filter_verdicts(keys, tq_dir, filter_metric, progress=_large_only(progress))
+        except CheckpointError as err:
+            filter_error = err
+    return CheckpointReading(
+        root, step, tq_dir, composition, user, storage_saved, st.st_mtime_ns, st.st_size, verdicts, filter_error
+    )
 
 
 def _stat(path: Path) -> os.stat_result:
@@ -255,6 +296,40 @@ def _stat(path: Path) -> os.stat_result:
         raise CheckpointError("read_error", f"{path}: {err.strerror or err}") from None
 
 
+def checkpoint_dirs_below(path: Path, depth: int = 3, limit: int = 5) -> list[Path]:
+    """Dirs under ``path`` (at most ``depth`` levels) that hold a ``latest_checkpointed_iteration.txt``:
+    what the user probably meant by a run dir (verl's default is ``checkpoints/<project>/<experiment>``).
+
+    Does not descend into ``global_step_N`` dirs (big, and never nested checkpoint roots)."""
+    found: list[Path] = []
+    level = [path]
+    for _ in range(depth):
+        below: list[Path] = []
+        for parent in level:
+            try:
+                children = sorted(e.path for e in os.scandir(parent) if e.is_dir() and not e.name.startswith("."))
+            except OSError:
+                continue
+            for child in map(Path, children):
+                if (child / LATEST_FILE).is_file():
+                    found.append(child)
+                elif not STEP_PATTERN.fullmatch(child.name):
+                    below.append(child)
+        if len(found) >= limit:
+            break
+        level = below
+    return found[:limit]
+
+
+def saved_steps(root: Path) -> list[int]:
+    """N of every ``global_step_N`` dir in ``root``, ascending."""
+    try:
+        names = [entry.name for entry in os.scandir(root) if entry.is_dir()]
+    except OSError:
+        return []
+    return sorted(int(match[1]) for name in names if (match := STEP_PATTERN.fullmatch(name)))
+
+
 def resolve(path: Path) -> tuple[Path, int | None]:
     """The checkpoint root and step for ``tqmon inspect``'s argument.
 
@@ -262,7 +337,7 @@ def resolve(path: Path) -> tuple[Path, int | None]:
     """
     if path.name in (TQ_DIR, TQ_DIR + ".old"):
         path = path.parent
-    match = re.fullmatch(r"global_step_(\d+)", path.name)
+    match = STEP_PATTERN.fullmatch(path.name)
     if match is not None and not (path / LATEST_FILE).exists():
         return path.parent, int(match[1])
     return path, None

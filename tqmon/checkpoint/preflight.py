@@ -7,11 +7,12 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
-from tqmon.checkpoint.layout import STEP_DIR, TQ_DIR, CheckpointReading
+from tqmon.checkpoint.layout import LATEST_FILE, STEP_DIR, TQ_DIR, CheckpointReading
+from tqmon.checkpoint.storage import FilterVerdicts
 from tqmon.reconcile import predict_resume
 from tqmon.report import deficit
 from tqmon.snapshot import ResumeRecord
-from tqmon.warmup import DOOM_REASONS, WarmupConfig, WarmupState
+from tqmon.warmup import DOOM_REASONS, WarmupConfig, WarmupState, is_stale
 
 
 @dataclass(frozen=True, slots=True)
@@ -25,6 +26,22 @@ class Preflight:
     reading: CheckpointReading
     config: WarmupConfig | None
     record: ResumeRecord
+    chosen_by: str | None = None  # how the user picked the step ("--step 6"); None: verl's latest
+    latest: int | None = None  # the step latest_checkpointed_iteration.txt names, when the user chose another way
+
+    @property
+    def step_phrase(self) -> str:
+        """ "step N", saying whose choice N is when it is not verl's latest."""
+        step = self.reading.step
+        if self.chosen_by is None:
+            return f"step {step}"
+        if self.latest is None:
+            latest = f"there is no {LATEST_FILE}"
+        elif self.latest == step:
+            latest = f"{LATEST_FILE} also says {step}"
+        else:
+            latest = f"{LATEST_FILE} says {self.latest}: verl would resume from step {self.latest}"
+        return f"step {step} (chosen with {self.chosen_by}; {latest})"
 
     @property
     def restored(self) -> int:
@@ -83,21 +100,74 @@ class Preflight:
         if self.config is None:
             assumed = ", ".join(self.record.assumed_defaults)
             return (
-                "T, M, O and the under-submission need the trainer config: "
-                "--trainer-config, or --train-batch-size and --num-warmup-batches",
+                "T, M, O and the under-submission need the trainer config: --trainer-config "
+                "<run dir>/.hydra/config.yaml, or --train-batch-size and --num-warmup-batches",
+                # Without it, verl's eviction defaults decide stale and filtered (named), never silently.
                 *((f"doomed assumes verl's defaults {assumed}",) if assumed else ()),
             )
         if self.warmup_state is WarmupState.SYNC_MODE:
             return ("sync mode: verl neither restores nor re-issues TransferQueue state; nothing of it comes back",)
-        if "filtered" not in self.doomed:
-            return ("filter_groups is on: groups DAPO filters are not in the checkpoint, the deficit is a minimum",)
-        return ()
+        return self.dapo_notes
+
+    def zero_variance(self, verdicts: FilterVerdicts) -> tuple[int, int]:
+        """DAPO's zero-variance finished groups, and how many of them are also stale at the first sample:
+        verl counts the latter under both evictions, doomed only as stale."""
+        zero = sum(verdicts.filtered.values())
+        if self.config is None:
+            return zero, 0
+        config, sample_step = self.config, self.sample_step
+        return zero, sum(n for steps, n in verdicts.filtered.items() if is_stale(config, steps, sample_step))
+
+    @property
+    def dapo_notes(self) -> tuple[str, ...]:
+        """What the storage units told about DAPO's filter, or why they could not."""
+        if self.config is None or not self.config.filter_groups:
+            return ()
+        verdicts, error = self.reading.filter_verdicts, self.reading.filter_error
+        if error is not None:
+            return (f"filter_groups is on but the storage units could not be read ({error}): filtered is unknown",)
+        if verdicts is None:
+            if "filtered" in self.doomed:
+                return ()  # nothing restored: nothing to filter
+            return (
+                "filter_groups is on: give --filter-groups-metric (algorithm.filter_groups.metric) to predict the "
+                "groups DAPO filters from the storage units; until then the deficit is a minimum",
+            )
+        if not verdicts.decided:
+            return (
+                f"{verdicts.missing} finished group(s) lack DAPO metric {verdicts.metric!r} on some trajectory: "
+                "verl 0.9.1 raises RuntimeError ('Finished groups are missing DAPO metric') at the first sample",
+            )
+        zero, stale = self.zero_variance(verdicts)
+        return (
+            f"DAPO ({verdicts.metric}): {zero} of {verdicts.finished} finished groups have zero variance; verl "
+            f"reports {zero} as filter_groups/evicted_samples, {stale} of them also as off_policy (doomed counts "
+            "those as stale)",
+        )
+
+    def dapo_json(self) -> dict[str, Any] | None:
+        """``tqmon inspect --json``'s ``dapo`` block: the verdicts as verl's first-step metrics will count them."""
+        verdicts = self.reading.filter_verdicts
+        if verdicts is None:
+            return None if self.reading.filter_error is None else {"error": str(self.reading.filter_error)}
+        zero, stale = self.zero_variance(verdicts)
+        return {
+            "metric": verdicts.metric,
+            "finished_judged": verdicts.finished,
+            "zero_variance": zero,  # verl's training/filter_groups/evicted_samples (it counts stale ones too)
+            "zero_variance_stale": stale,  # also training/off_policy/evicted_samples: doomed counts them as stale
+            "missing_metric": verdicts.missing,
+            "trajectories_read": verdicts.trajectories,
+            "storage_bytes": verdicts.storage_bytes,
+        }
 
     def to_json(self) -> dict[str, Any]:
         c = self.reading.composition
         return {
             "checkpoint_dir": str(self.reading.root),
             "step": self.reading.step,
+            "step_chosen_by": self.chosen_by,
+            "latest_step": self.latest if self.chosen_by is not None else self.reading.step,
             "path": None if self.reading.tq_dir is None else str(self.reading.tq_dir),
             "sample_step": self.sample_step,
             "restored": self.restored,
@@ -121,15 +191,20 @@ class Preflight:
             "assumed_defaults": list(self.record.assumed_defaults),
             "controller_state_bytes": self.reading.size_bytes,
             "saved_at": self.reading.saved_at_ns / 1e9,
+            "dapo": self.dapo_json(),
             "notes": list(self.notes),
         }
 
 
-def preflight(reading: CheckpointReading, config: WarmupConfig | None) -> Preflight:
-    """Predict the resume from ``reading``: R, K, doomed, and with the config T, M, O and the deficit."""
+def preflight(
+    reading: CheckpointReading, config: WarmupConfig | None, *, chosen_by: str | None = None, latest: int | None = None
+) -> Preflight:
+    """Predict the resume from ``reading``: R, K, doomed, and with the config T, M, O and the deficit.
+
+    ``chosen_by`` says the user picked the step (and ``latest`` what verl would pick instead)."""
     composition = reading.composition
     record = predict_resume(reading.to_event(), composition.reissued, composition.inflight_trajectories, config)
-    return Preflight(reading, config, record)
+    return Preflight(reading, config, record, chosen_by, latest)
 
 
 def render(result: Preflight) -> str:
@@ -139,12 +214,12 @@ def render(result: Preflight) -> str:
     finished_doom = [f"{result.doomed[r]} {r}" for r in ("stale", "filtered") if result.doomed.get(r)]
     finished = f"{statuses['finished']} finished" + (f" ({', '.join(finished_doom)})" if finished_doom else "")
     head = (
-        f"resuming from step {reading.step} will restore {result.restored} prompt groups: "
+        f"resuming from {result.step_phrase} will restore {result.restored} prompt groups: "
         f"{statuses['pending']} pending, {statuses['running']} running, {finished}, {statuses['failure']} failed"
     )
     if result.warmup_state is WarmupState.SYNC_MODE:
         head = (
-            f"resuming from step {reading.step} in sync mode restores no TransferQueue state "
+            f"resuming from {result.step_phrase} in sync mode restores no TransferQueue state "
             f"(the checkpoint holds {c.restored} prompt groups); sync mode has no warmup"
         )
     elif result.target is not None and result.submitted is not None and result.useful is not None:

@@ -57,7 +57,7 @@ def build_family(spec: MetricSpec, series: list[Series] | list[HistogramSeries])
         case MetricType.GAUGEHISTOGRAM:
             family = GaugeHistogramMetricFamily(spec.name, spec.help, labels=labels, unit=_unit(spec))
             for h in _of(HistogramSeries, spec, series):
-                buckets = [("+Inf" if math.isinf(le) else _format_le(le), float(n)) for le, n in h.buckets]
+                buckets = [(le_label(le), float(n)) for le, n in h.buckets]
                 family.add_metric(list(h.labels), buckets, h.sum)
             return family
         case _:  # gauges and statesets (a 0/1 gauge per state)
@@ -67,8 +67,9 @@ def build_family(spec: MetricSpec, series: list[Series] | list[HistogramSeries])
     return family
 
 
-def _format_le(le: float) -> str:
-    return f"{le:.1f}"
+def le_label(le: float) -> str:
+    """A bucket bound as the ``le`` label value (OTLP's bucket gauges use the same)."""
+    return "+Inf" if math.isinf(le) else f"{le:.1f}"
 
 
 class SnapshotCollector(Collector):

@@ -8,7 +8,7 @@ from __future__ import annotations
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 
-from tqmon.catalog import BY_NAME, MetricSpec
+from tqmon.catalog import BY_NAME, OTLP_SIGNALS, MetricSpec
 from tqmon.snapshot import Snapshot, SourceName, Tally
 from tqmon.warmup import PROMPT_STATUSES
 
@@ -122,6 +122,10 @@ def metric_values(snapshot: Snapshot, now: float) -> Iterator[tuple[MetricSpec, 
             ],
             "tqmon_resume_first_step_generation_wait_seconds": _opt(record.first_step_generation_wait_seconds),
             "tqmon_resume_warmup_state": _stateset(BY_NAME["tqmon_resume_warmup_state"], record.warmup_state),
+            "tqmon_resume_lost_steps": _opt(record.cost.steps_lost),
+            "tqmon_resume_downtime_seconds": _opt(record.cost.downtime_seconds),
+            "tqmon_resume_time_to_first_step_seconds": _opt(record.cost.time_to_first_step_seconds),
+            "tqmon_resume_wasted_rollouts": _opt(record.cost.wasted_rollouts),
         }
     if checkpoint is not None:
         values |= {
@@ -142,6 +146,15 @@ def metric_values(snapshot: Snapshot, now: float) -> Iterator[tuple[MetricSpec, 
         values[name] = _counter(BY_NAME[name], snapshot, sources)
     if SourceName.LOG not in sources:
         values.pop("tqmon_log_lines_total", None)
+    if snapshot.otlp is None:  # OTLP push is off
+        values.pop("tqmon_otlp_export_failures_total", None)
+    else:
+        values |= {
+            "tqmon_otlp_export_failures_total": [
+                Series((s,), snapshot.otlp.export_failures.get(s, 0)) for s in OTLP_SIGNALS
+            ],
+            "tqmon_otlp_log_records_dropped_total": [Series((), snapshot.otlp.dropped_log_records)],
+        }
 
     for spec in BY_NAME.values():
         series = values.get(spec.name)

@@ -1,11 +1,13 @@
-"""``--checkpoint-dir``: what the next resume from verl's newest checkpoint will restore, before it happens."""
+"""``--checkpoint-dir``: what the next resume from verl's newest checkpoint will restore, before it happens.
+
+Under DAPO with a known metric it also reads the storage units for the groups DAPO will filter."""
 
 from __future__ import annotations
 
 import time
 from pathlib import Path
 
-from tqmon.checkpoint.layout import read_checkpoint, signature
+from tqmon.checkpoint.layout import LATEST_FILE, NoCheckpointYet, read_checkpoint, signature
 from tqmon.checkpoint.unpickler import CheckpointError
 from tqmon.snapshot import SourceName
 from tqmon.sources.polling import PollingLoop
@@ -17,14 +19,19 @@ class CheckpointSource:
 
     name = SourceName.CHECKPOINT
 
-    def __init__(self, checkpoint_dir: Path, tracker: Tracker, *, interval: float = 10.0) -> None:
+    def __init__(
+        self, checkpoint_dir: Path, tracker: Tracker, *, interval: float = 10.0, filter_metric: str | None = None
+    ) -> None:
         self.checkpoint_dir = Path(checkpoint_dir)
         self.tracker = tracker
         self.interval = interval
+        self.filter_metric = filter_metric  # DAPO's algorithm.filter_groups.metric: read the storage units too
         self._seen: tuple[object, ...] | None = None  # signature of the last read
         self._error: CheckpointError | None = None  # its error, re-reported until the files change
+        self._filter_error: CheckpointError | None = None  # the storage units' of a readable checkpoint
+        self._read_step: int | None = None  # the last checkpoint this process read here
         self._loop = PollingLoop(self.name, tracker, self.poll, interval)
-        tracker.register_source(self.name, stale_after=max(30.0, 10 * interval))
+        tracker.register_source(self.name, stale_after=max(30.0, 10 * interval), watching=str(checkpoint_dir))
 
     def start(self) -> None:
         self._loop.start()
@@ -33,24 +40,46 @@ class CheckpointSource:
         self._loop.stop()
 
     def poll(self) -> float:
-        """One look at the checkpoint dir; a checkpoint it cannot read is this source's failure."""
+        """One look at the checkpoint dir; a checkpoint it cannot read is this source's failure, no checkpoint
+        yet is not (unless this process read one here before: then they were deleted). Storage units it cannot
+        read are counted once per checkpoint; the composition stands."""
         started = time.monotonic()
         current = signature(self.checkpoint_dir)
         if current != self._seen:
-            self._seen, self._error = None, None  # read again next time if this read dies of a bug
+            self._seen, self._error, self._filter_error = None, None, None  # read again if this read dies of a bug
             try:
-                reading = read_checkpoint(self.checkpoint_dir)
+                reading = read_checkpoint(self.checkpoint_dir, filter_metric=self.filter_metric)
+            except NoCheckpointYet as err:
+                self._error = err if self._read_step is None else self._gone()
+                self.tracker.observe_checkpoint_dir(None)  # nothing saved (yet, or any more): no series
             except CheckpointError as err:
                 self._error = err
-                self.tracker.observe_checkpoint_dir(None)  # a deleted step or a vanished dir: no series
+                self.tracker.observe_checkpoint_dir(None)  # a deleted step or an unreadable file: no series
             else:
+                self._read_step = reading.step
+                self._filter_error = reading.filter_error
+                if reading.filter_error is not None:
+                    self.tracker.source_error(self.name, reading.filter_error.reason)
                 event = reading.to_event()
                 self.tracker.observe_checkpoint_dir(event)  # may step back: a rollback of the latest file
                 self.tracker.ingest([event], self.name)
             self._seen = current
         duration = time.monotonic() - started
-        if self._error is not None:
+        if isinstance(self._error, NoCheckpointYet):  # a fresh run: up, with nothing to predict yet
+            self.tracker.source_succeeded(self.name, duration, state=f"{self._error}: waiting")
+        elif self._error is not None:
             self.tracker.source_failed(self.name, self._error.reason, str(self._error), duration=duration)
+        elif self._filter_error is not None:
+            state = f"DAPO's filtered groups unknown: {self._filter_error}"
+            self.tracker.source_succeeded(self.name, duration, state=state)
         else:
             self.tracker.source_succeeded(self.name, duration)
         return self.interval
+
+    def _gone(self) -> CheckpointError:
+        """No latest file after a checkpoint was read here: deleted checkpoints are a failure, not a fresh run."""
+        latest = self.checkpoint_dir / LATEST_FILE
+        where = latest if self.checkpoint_dir.is_dir() else self.checkpoint_dir
+        return CheckpointError(
+            "unavailable", f"checkpoints gone: {where} does not exist any more (global_step_{self._read_step} was read)"
+        )

@@ -77,6 +77,15 @@ def parse_jsonl(line: str, _fallback_id: str) -> ParsedLine:
     return parse_jsonl_line(line)
 
 
+def _unmatched(pattern: str) -> str:
+    """Why ``pattern`` names no file to follow, as the operator needs to read it."""
+    if glob.has_magic(pattern):
+        return f"no file matches {pattern} (yet): waiting"
+    if os.path.isdir(pattern):
+        return f"{pattern} is a directory, not a log file"
+    return f"{pattern} does not exist (yet): waiting"
+
+
 class LogSource:
     """Polls its globs every ``interval`` seconds on a daemon thread.
 
@@ -102,7 +111,7 @@ class LogSource:
         self._clock = clock
         self._files: dict[str, _Followed] = {}
         self._loop = PollingLoop(source, tracker, self.poll, interval)
-        tracker.register_source(source, stale_after=max(30.0, 10 * interval))
+        tracker.register_source(source, stale_after=max(30.0, 10 * interval), watching=", ".join(patterns))
 
     def start(self) -> None:
         self._loop.start()
@@ -117,7 +126,8 @@ class LogSource:
         started = time.monotonic()
         paths = sorted({p for pattern in self.patterns for p in glob.glob(pattern) if os.path.isfile(p)})
         if not paths:
-            self.tracker.source_failed(self.name, "unavailable", f"no file matches {', '.join(self.patterns)}")
+            reason = "read_error" if any(os.path.isdir(p) for p in self.patterns) else "unavailable"
+            self.tracker.source_failed(self.name, reason, "; ".join(map(_unmatched, self.patterns)))
             return self.interval
         failures = []
         for path in paths:

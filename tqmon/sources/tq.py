@@ -358,7 +358,9 @@ class TQSource:
         self._epochs = tracker.controller_epochs()
         self._lost = False
         self._loop = PollingLoop(self.name, tracker, self.poll, budget.settings.max_interval, interrupt=poller.close)
-        tracker.register_source(self.name, stale_after=self.horizon(budget.settings.max_interval))
+        tracker.register_source(
+            self.name, stale_after=self.horizon(budget.settings.max_interval), watching=f"Ray cluster {poller.address}"
+        )
         tracker.drop_windows(self.name, self._view(budget.settings.max_interval, None))
 
     def start(self) -> None:
