@@ -456,11 +456,14 @@ def test_a_collector_down_then_back(
         what="the resume decided during the outage",
     )
     assert records[0].severity_number == SeverityNumber.SEVERITY_NUMBER_WARN
-    pushed = receiver.wait_for(
-        lambda: receiver.requests("/v1/metrics") and otlp_series(receiver.requests("/v1/metrics")[-1].request),
-        what="metrics after the outage",
-    )
-    assert pushed[("tqmon_otlp_export_failures_total", frozenset({("signal", "metrics")}))] >= 4
+    metric_failures = ("tqmon_otlp_export_failures_total", frozenset({("signal", "metrics")}))
+
+    def pushed_after_the_outage() -> Series | None:
+        """The newest push once it reports the outage's failures (pushes from before it report none)."""
+        series = otlp_series(receiver.requests("/v1/metrics")[-1].request)
+        return series if series.get(metric_failures, 0) >= 4 else None
+
+    pushed = receiver.wait_for(pushed_after_the_outage, what="metrics after the outage counting its failures")
     assert pushed[("tqmon_resume_under_submitted_prompt_groups", frozenset())] == 2.0
 
 
