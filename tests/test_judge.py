@@ -232,7 +232,8 @@ def test_analyze_shows_a_lost_window_and_a_window_short_of_its_warmup(tmp_path: 
     assert disagreement["tolerance"] == "allowed 12.."  # no config: the batch a step adds is unknown
 
     table = CliRunner().invoke(main, ["analyze", str(path)])
-    header, *_, row = table.stdout.strip().splitlines()
+    lines = table.stdout.strip().splitlines()
+    header, row = next(line for line in lines if line.startswith("#  started")), lines[-1]
     assert "lost_window" in row
     assert row[header.index("groups lost") :].split()[0] == "16"  # the resume's cost: one count, one column
     assert "LOST WINDOW: resumed without transfer_queue/ (16 prompt groups lost, all re-generated)" in row

@@ -14,6 +14,7 @@ One Ray cluster and one TransferQueue for the module; each case saves and restor
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import re
@@ -26,9 +27,11 @@ from typing import Any, ClassVar
 
 import httpx
 import pytest
+from click.testing import CliRunner
 from verl.trainer.ppo.v1.agent_loop_tq import AgentLoopManagerTQ
 
 from tests.conftest import TqmonProcess, sample_value
+from tqmon.cli import main
 from tqmon.composition import compose
 from tqmon.events import StepCompleted
 from tqmon.integrations.verl import TqmonAgentLoopManager, plugin
@@ -445,6 +448,16 @@ def test_tqmon_matches_verl(
     assert record["disagreements"] == [], record["disagreements"]
     assert gauge(metrics, "tqmon_resume_source_disagreements", quantity="restored") == 0
     assert gauge(metrics, "tqmon_resume_lost_prompt_groups") == 0
+    if not verl.logged:  # the warmup is off: verl defines no T, so nothing is over-restored or missing
+        assert (record["target"], record["over_restored"], record["under_submitted"]) == (None, None, None)
+        for name in ("target", "over_restored", "under_submitted"):
+            assert gauge(metrics, f"tqmon_resume_{'warmup_' if name == 'target' else ''}{name}_prompt_groups") is None
+
+    # `tqmon inspect` on the checkpoint verl resumed from, given verl's config file, predicted this very record.
+    if case.step is not None:
+        predicted = inspect_prediction(tmp_path, case)
+        assert {key: predicted[key] for key in PREDICTED} == {key: record[value] for key, value in PREDICTED.items()}
+        assert predicted["warmup_state"] == state
 
     # The doomed groups tqmon predicted are the groups verl's replay buffer evicted at the first sample.
     if case.sample:
@@ -459,6 +472,32 @@ def test_tqmon_matches_verl(
         for status_name, count in saved["by_status"].items():
             assert gauge(metrics, "tqmon_checkpoint_prompt_groups", status=status_name) == count
         assert gauge(metrics, "tqmon_checkpoint_orphan_trajectories") == saved["orphans"]
+
+
+# inspect's JSON key -> the serve record's field it must equal
+PREDICTED = {
+    "restored": "restored",
+    "target": "target",
+    "warmup_submitted": "submitted",
+    "over_restored": "over_restored",
+    "doomed": "doomed",
+    "under_submitted": "under_submitted",
+    "warmup_state": "warmup_state",
+}
+
+
+def inspect_prediction(root: Path, case: Case) -> dict[str, Any]:
+    """``tqmon inspect --json`` on the case's checkpoint dir with verl's composed config saved as a file."""
+    from omegaconf import OmegaConf
+
+    config_file = root / "config.yaml"
+    OmegaConf.save(verl_config(root, case.overrides), config_file)
+    result = CliRunner().invoke(
+        main, ["inspect", str(root / "ckpt"), "--trainer-config", str(config_file), "--json"], catch_exceptions=False
+    )
+    assert result.exit_code == 0, result.output
+    predicted: dict[str, Any] = json.loads(result.stdout)
+    return predicted
 
 
 def warmup_state(case: Case, verl: Resumed) -> str:

@@ -13,7 +13,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from tqmon.snapshot import Claim, Disagreement
-from tqmon.warmup import DOOM_REASONS, PROMPT_STATUSES
+from tqmon.warmup import PROMPT_STATUSES, doomed_complete
 
 RESTORED_BY_STATUS = tuple(f"restored_{status}" for status in PROMPT_STATUSES)
 WINDOW_AFTER_WARMUP = "window_after_warmup"  # the first live window after the decision against R + M
@@ -69,7 +69,7 @@ def within(quantity: str, reported: Claim, seen: Claim | None, bounds: Bounds) -
 def complete_doomed(*candidates: Mapping[str, int] | None) -> int | None:
     """The doomed total from the first breakdown that knows every reason; None if none does."""
     for doomed in candidates:
-        if doomed is not None and all(reason in doomed for reason in DOOM_REASONS):
+        if doomed is not None and doomed_complete(doomed):
             return sum(doomed.values())
     return None
 

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from prometheus_client import CollectorRegistry
 
+from tqmon.binding import Identity, StateDirTaken, bind, run_identity
 from tqmon.exporters.prometheus import build_registry
 from tqmon.file_sd import FileSDError, file_sd_target
 from tqmon.snapshot import Snapshot, SourceName
@@ -191,6 +192,11 @@ class Service:
         except (OSError, sqlite3.Error) as err:
             detail = err.strerror if isinstance(err, OSError) and err.strerror else str(err)
             raise StartupError(f"--state-dir {config.state_dir}: unusable: {detail}") from None
+        try:
+            bind(self.store, self.identity, config.state_dir)
+        except StateDirTaken as err:
+            self.store.close()
+            raise ConfigError(str(err)) from None
         self.tracker = Tracker(self.store, stale_after=config.stale_after, given=config.trainer, announce=announce)
         replayed = self.tracker.replay()
         if replayed:
@@ -227,6 +233,13 @@ class Service:
         )
         current = self.otlp.current if self.otlp is not None else (lambda: self.tracker.snapshot)
         self.registry: CollectorRegistry = build_registry(current, process_metrics=config.process_metrics)
+
+    @property
+    def identity(self) -> Identity:
+        """The run this service monitors, as its state dir is bound to it."""
+        config = self.config
+        run_id = config.trainer.run_id if config.trainer is not None else ""
+        return run_identity(run_id, config.checkpoint_dir, config.log_patterns, config.jsonl_patterns)
 
     @property
     def sources(self) -> list[Source]:

@@ -89,6 +89,10 @@ class ResumeRecord:
     first_step_evictions: Mapping[str, int] | None = None
     first_step_generation_wait_seconds: float | None = None
     evidence: tuple[Evidence, ...] = ()
+    # The deficit counts unknown doom reasons as 0: at least ``under_submitted``, not exactly.
+    under_submitted_lower_bound: bool = False
+    # verl defaults assumed for settings no config gave (``setting=value``), where they decided a number.
+    assumed_defaults: tuple[str, ...] = ()
     disagreements: tuple[Disagreement, ...] = ()  # sources that contradict each other about this start
     cost: ResumeCost = field(default_factory=ResumeCost)  # what the resume cost; all unknown for a fresh start
 
@@ -165,6 +169,7 @@ class CheckpointView:
     by_status: Mapping[str, int] | None = None
     doomed: Mapping[str, int] | None = None
     orphan_trajectories: int | None = None
+    assumed_defaults: tuple[str, ...] = ()  # verl defaults the doomed groups assumed (no trainer config)
 
 
 @dataclass(frozen=True, slots=True)

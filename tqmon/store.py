@@ -10,7 +10,7 @@ import json
 import sqlite3
 import threading
 from collections import Counter
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -33,6 +33,10 @@ CREATE TABLE IF NOT EXISTS counters (
 CREATE TABLE IF NOT EXISTS cursors (
     key TEXT PRIMARY KEY,
     value TEXT NOT NULL
+);
+CREATE TABLE IF NOT EXISTS run_binding (
+    id INTEGER PRIMARY KEY CHECK (id = 1),
+    identity TEXT NOT NULL
 );
 """
 
@@ -121,6 +125,20 @@ class StateStore:
         with self._lock:
             rows = self._db.execute("SELECT name, labels, value FROM counters").fetchall()
         return {(name, labels): value for name, labels, value in rows}
+
+    def bound_run(self) -> dict[str, str] | None:
+        """The identity of the run this state belongs to (:mod:`tqmon.binding`), or None if not bound yet."""
+        with self._lock:
+            row = self._db.execute("SELECT identity FROM run_binding WHERE id = 1").fetchone()
+        return None if row is None else dict(json.loads(row[0]))
+
+    def bind_run(self, identity: Mapping[str, str]) -> None:
+        with self._lock:
+            self._db.execute(
+                "INSERT INTO run_binding (id, identity) VALUES (1, ?) "
+                "ON CONFLICT (id) DO UPDATE SET identity = excluded.identity",
+                (json.dumps(dict(identity), sort_keys=True),),
+            )
 
     def cursor(self, key: str) -> object | None:
         with self._lock:

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import TypeGuard
 
 from tqmon import __version__
-from tqmon.events import Event, WindowObserved
+from tqmon.events import CheckpointSaved, Event, WindowObserved
 from tqmon.reconcile import Reconciler
 from tqmon.snapshot import Evidence, Snapshot, SourceHealth, SourceName, Tally, TQPollView, WindowView
 from tqmon.store import StateStore
@@ -221,6 +221,13 @@ class Tracker:
             self._commit((), [], [(EPOCH_CURSOR, {"id": controller_id, "epochs": epochs})])
             self.restart_hint(Evidence(SourceName.TQ, "controller_started", controller_id, self._clock(), detail))
             return epochs
+
+    def observe_checkpoint_dir(self, event: CheckpointSaved | None) -> None:
+        """The checkpoint dir's latest checkpoint as read now (None: none readable); the tqmon_checkpoint_*
+        series follow it, back to an older step or away. Not persisted: the source reads again at start."""
+        with self._lock:
+            self._state.observe_checkpoint_dir(event)
+            self._publish()
 
     def restart_hint(self, evidence: Evidence) -> None:
         """A sign of a trainer restart that is not itself a verl event (a new TQ controller, a truncated JSONL)."""

@@ -153,6 +153,7 @@ class GivenConfig:
     trainer_mode: str
     config: TrainerConfig
     origin: str  # "flags" or "file:<path>"
+    run_id: str = ""  # "<trainer.project_name>/<trainer.experiment_name>" from a config file
 
     @property
     def warmup(self) -> WarmupConfig:
@@ -341,6 +342,11 @@ def is_zero_variance(values: Sequence[float]) -> bool:
         return False
     mean = pairwise_sum(values) / len(values)
     return all((v - mean) * (v - mean) == 0.0 for v in values)
+
+
+def doomed_complete(doomed: Mapping[str, int] | None) -> bool:
+    """Every doom reason is known, so the deficit computed from them is exact."""
+    return doomed is not None and set(doomed) >= set(DOOM_REASONS)
 
 
 def under_submitted(target: int, restored: int, doomed: int, submitted: int) -> int:
