@@ -170,7 +170,14 @@ def test_unknown_values_are_omitted_not_zero() -> None:
         counters={},
     )
     names = {f.name for f in text_string_to_metric_families(generate_latest(registry_for(empty)).decode())}
-    assert names == {"tqmon_window_status", "tqmon_resumes", "tqmon_build_info", "tqmon_events_rejected"}
+    assert names == {
+        "tqmon_window_status",
+        "tqmon_resumes",
+        "tqmon_build_info",
+        "tqmon_events_rejected",
+        "tqmon_state_writable",
+        "tqmon_state_write_failures",
+    }
 
 
 def test_a_bare_total_is_exported_as_status_unknown_only() -> None:

@@ -16,6 +16,7 @@ from pydantic import ValidationError
 
 from tqmon import __version__
 from tqmon.events import TrainerConfig
+from tqmon.retention import RetentionPolicy
 from tqmon.rules import RuleConfig
 from tqmon.server import serve_forever
 from tqmon.service import ServiceConfig
@@ -332,6 +333,29 @@ def main() -> None:
     help="Seconds of fast polling after a resume is detected (when the window matters most).",
     env="TQ_FAST_PERIOD",
 )
+@option(
+    "--recover",
+    is_flag=True,
+    help="If the state file is corrupt or not tqmon's, move it aside (timestamped) and start empty, re-reading "
+    "the sources; without it tqmon refuses to start. See docs/reliability.md.",
+    env="RECOVER",
+)
+@option(
+    "--retain-records",
+    type=int,
+    default=1000,
+    show_default=True,
+    help="Resume records kept in the state dir (with the events behind them); older ones are pruned.",
+    env="RETAIN_RECORDS",
+)
+@option(
+    "--retain-days",
+    type=float,
+    default=365.0,
+    show_default=True,
+    help="Resume records older than this are pruned too (the latest start is always kept).",
+    env="RETAIN_DAYS",
+)
 @trainer_config_options
 def serve(
     listen: str,
@@ -351,6 +375,9 @@ def serve(
     tq_min_interval: float,
     tq_max_interval: float,
     tq_fast_period: float,
+    recover: bool,
+    retain_records: int,
+    retain_days: float,
     trainer: TrainerFlags,
 ) -> None:
     """Serve /metrics, /api/v1/status and the trainer event API (POST /api/v1/events).
@@ -378,6 +405,8 @@ def serve(
         tq_budget=PollBudget(
             budget=tq_budget, min_interval=tq_min_interval, max_interval=tq_max_interval, fast_period=tq_fast_period
         ),
+        recover=recover,
+        retention=RetentionPolicy(records=retain_records, days=retain_days),
     )
     serve_forever(config, log_level)
 

@@ -24,6 +24,8 @@ from tqmon.events import EVENT_TYPE_NAMES, Event, describe_validation
 from tqmon.exporters.prometheus import render
 from tqmon.report import verdict
 from tqmon.service import ConfigError, Service, ServiceConfig
+from tqmon.statelock import StateError
+from tqmon.store import StateUnavailable
 
 EVENTS_ADAPTER: TypeAdapter[list[Event]] = TypeAdapter(list[Event])
 BODY_ADAPTER: TypeAdapter[Event | list[Event]] = TypeAdapter(Event | list[Event])
@@ -110,7 +112,9 @@ def create_app(service: Service) -> FastAPI:
         problems = [f"{s.source}: {s.last_error or 'stale'}" for s in snapshot.sources if not s.up(now)]
         if not any(s.last_success is not None for s in snapshot.sources):
             problems.append("no source has succeeded yet")
-        ready = snapshot.ready(now)
+        if not snapshot.state.writable:
+            problems.append(f"state: {snapshot.state.error}")
+        ready = snapshot.ready(now) and snapshot.state.writable
         body = Readiness(ready=ready, sources=sources, problems=problems)
         return JSONResponse(body.model_dump(), status_code=200 if ready else 503)
 
@@ -142,7 +146,13 @@ def create_app(service: Service) -> FastAPI:
     @app.post(
         "/api/v1/events",
         response_model=IngestResult,
-        responses={400: {"model": Problem}, 401: {"model": Problem}, 413: {"model": Problem}, 422: {"model": Problem}},
+        responses={
+            400: {"model": Problem},
+            401: {"model": Problem},
+            413: {"model": Problem},
+            422: {"model": Problem},
+            503: {"model": Problem},
+        },
         openapi_extra={
             "requestBody": {
                 "required": True,
@@ -183,7 +193,10 @@ def create_app(service: Service) -> FastAPI:
         except ValidationError as err:
             return _reject(service, 422, "invalid_event", describe_validation(err, batch=isinstance(body, list)))
         started = time.monotonic()
-        applied, duplicates = service.tracker.ingest(events, "events")
+        try:
+            applied, duplicates = service.tracker.ingest(events, "events")
+        except StateUnavailable as err:  # never a 2xx for an event that is not on disk
+            return _reject(service, 503, "state_unavailable", str(err))
         service.tracker.source_succeeded("events", time.monotonic() - started)
         result = IngestResult(accepted=len(events), applied=applied, duplicates=duplicates)
         return JSONResponse(result.model_dump())
@@ -208,6 +221,8 @@ def serve_forever(config: ServiceConfig, log_level: str = "info") -> None:
         service = Service(config)
     except ConfigError as err:
         raise click.UsageError(str(err)) from err
+    except StateError as err:
+        raise click.ClickException(str(err)) from None
     host = f"[{config.host}]" if ":" in config.host else config.host
     click.echo(f"tqmon {__version__} serving on http://{host}:{config.port}/  (metrics: /metrics)", err=True)
     uvicorn.run(create_app(service), host=config.host, port=config.port, log_level=log_level, access_log=False)

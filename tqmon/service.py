@@ -11,6 +11,7 @@ from prometheus_client import CollectorRegistry
 
 from tqmon.events import TrainerConfig
 from tqmon.exporters.prometheus import build_registry
+from tqmon.retention import Retention, RetentionPolicy
 from tqmon.sources.checkpoint import CheckpointSource
 from tqmon.sources.logfile import LogSource, parse_jsonl
 from tqmon.sources.tq import PollBudget, PollerProcess, TQSource
@@ -51,6 +52,8 @@ class ServiceConfig:
     ray_address: str | None = None
     tq_timeout: float = 5.0
     tq_budget: PollBudget = field(default_factory=PollBudget)
+    recover: bool = False  # move a corrupt state file aside instead of refusing to start
+    retention: RetentionPolicy = field(default_factory=RetentionPolicy)
 
     def validate(self) -> None:
         if not is_loopback(self.host) and not self.token:
@@ -68,6 +71,7 @@ class ServiceConfig:
             raise ConfigError(f"--tq-timeout must be positive, got {self.tq_timeout}")
         try:
             self.tq_budget.validate()
+            self.retention.validate()
         except ValueError as err:
             raise ConfigError(str(err)) from None
 
@@ -80,12 +84,13 @@ class Service:
         self.config = config
         self.token = config.token
         self.max_body_bytes = config.max_body_bytes
-        self.store = StateStore(config.state_dir)
+        self.store = StateStore(config.state_dir, exclusive=True, recover=config.recover)
         self.tracker = Tracker(self.store, stale_after=config.stale_after, flag_config=config.trainer)
         replayed = self.tracker.replay()
         if replayed:
             log.info("restored %d events from %s", replayed, self.store.path)
         self.tracker.register_source("events", stale_after=None)
+        self.retention = Retention(self.tracker, self.store, config.retention)
         self.log_source = (
             LogSource(list(config.log_patterns), self.tracker, interval=config.log_interval)
             if config.log_patterns
@@ -122,10 +127,12 @@ class Service:
         return [source for source in candidates if source is not None]
 
     def start(self) -> None:
+        self.retention.start()
         for source in self.sources:
             source.start()
 
     def stop(self) -> None:
         for source in self.sources:
             source.stop()
+        self.retention.stop()
         self.store.close()

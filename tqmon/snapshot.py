@@ -120,6 +120,15 @@ class CheckpointView:
 
 
 @dataclass(frozen=True, slots=True)
+class StateHealth:
+    """The state dir as the last write found it; ``failures`` counts refused writes by reason."""
+
+    writable: bool = True
+    error: str | None = None
+    failures: tuple[tuple[str, int], ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
 class Snapshot:
     built_at: float
     version: str
@@ -137,6 +146,7 @@ class Snapshot:
     tq: TQPollView | None
     sources: tuple[SourceHealth, ...]
     counters: Mapping[str, Mapping[tuple[str, ...], int]]  # catalog name -> label values -> value
+    state: StateHealth = StateHealth()
 
     def fresh_windows(self, now: float) -> tuple[WindowView, ...]:
         """Windows observed within ``stale_after``: frozen data is never served as fresh."""

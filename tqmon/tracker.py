@@ -40,7 +40,7 @@ from tqmon.snapshot import (
     TQPollView,
     WindowView,
 )
-from tqmon.store import StateStore
+from tqmon.store import PRUNED_RESUMES, StateStore
 from tqmon.warmup import (
     DOOM_REASONS,
     PROMPT_STATUSES,
@@ -340,6 +340,7 @@ class Tracker:
             for stored in self._store.events():
                 self._apply(stored.event, stored.source, stored.received_at)
                 count += 1
+            self._resumes += self._store.meta(PRUNED_RESUMES)  # resumes of records retention dropped
             for (name, labels), value in self._store.counters().items():
                 self._counters[name][tuple(labels.split("|"))] = value
             self._publish()
@@ -377,6 +378,12 @@ class Tracker:
                 self._counters["tqmon_log_lines_total"][(outcome,)] += n
             self._publish()
             return applied, duplicates
+
+    def refresh_state(self) -> None:
+        """Republish when the state dir's health changed unprompted (a probe found the disk back)."""
+        with self._lock:
+            if self._store.health() != self._snapshot.state:
+                self._publish()
 
     def reject(self, reason: str) -> None:
         with self._lock:
@@ -634,6 +641,8 @@ class Tracker:
     def _build(self) -> Snapshot:
         last = self._records[-1] if self._records else None
         config = self._warmup_config
+        state = self._store.health()
+        failures: dict[tuple[str, ...], int] = {(reason,): n for reason, n in state.failures}
         target = last.target if last is not None and last.target is not None else window_target(config)
         return Snapshot(
             built_at=self._clock(),
@@ -654,7 +663,9 @@ class Tracker:
                 SourceHealth(name, h.ok, h.last_success, h.last_duration, h.last_error, h.stale_after)
                 for name, h in sorted(self._health.items())
             ),
-            counters={name: dict(values) for name, values in self._counters.items()},
+            counters={name: dict(values) for name, values in self._counters.items()}
+            | {"tqmon_state_write_failures_total": failures},
+            state=state,
         )
 
 

@@ -131,6 +131,7 @@ def metric_values(snapshot: Snapshot, now: float) -> Iterator[tuple[MetricSpec, 
     for spec in BY_NAME.values():
         if spec.type is MetricType.COUNTER and spec.labels:
             values[spec.name] = _counter(spec, snapshot, sources)
+    values["tqmon_state_writable"] = [Series((), float(snapshot.state.writable))]
     if "log" not in sources:
         values.pop("tqmon_log_lines_total", None)
 

@@ -1,0 +1,123 @@
+"""Retention: the state dir stays bounded over months of steps, so startup (a replay) stays flat.
+
+State is the fold of the stored events, so only events the fold no longer needs may go: an event is
+kept while it is evidence of a retained resume record (the last ``--retain-records``, started within
+``--retain-days``; the latest start always), or among the newest of its type that the live state
+reads (the step rate, checkpoint compositions a future resume completes from, the windows), or the
+run config in force for those. Everything else older than :data:`MIN_AGE_SECONDS` is deleted; the
+resumes of dropped records stay counted in ``tqmon_resumes_total``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from tqmon.snapshot import ResumeRecord
+from tqmon.store import PRUNED_RESUMES, RETRY_SECONDS, StateStore
+from tqmon.tracker import KEPT_COMPOSITIONS, STEP_RATE_WINDOW, Tracker
+
+MIN_AGE_SECONDS = 3600.0  # younger events are never pruned: a retried post within the hour still dedups
+INTERVAL_SECONDS = 300.0
+NEWEST_KEPT = {
+    "step_completed": STEP_RATE_WINDOW,
+    "checkpoint_saved": KEPT_COMPOSITIONS,
+    "window_observed": 16,
+}
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class RetentionPolicy:
+    records: int = 1000
+    days: float = 365.0
+
+    def validate(self) -> None:
+        if self.records < 1:
+            raise ValueError(f"--retain-records must be at least 1, got {self.records}")
+        if self.days <= 0:
+            raise ValueError(f"--retain-days must be positive, got {self.days}")
+
+
+def first_retained(records: Sequence[ResumeRecord], policy: RetentionPolicy, now: float) -> int:
+    """Index of the oldest record kept; the latest start is always kept."""
+    if not records:
+        return 0
+    first = max(0, len(records) - policy.records)
+    horizon = now - policy.days * 86400.0
+    while first < len(records) - 1 and records[first].started_at < horizon:
+        first += 1
+    return first
+
+
+def dead_cursor_keys(keys: Sequence[str]) -> list[str]:
+    """Cursors of followed files (``source:/abs/path``) whose file is gone: rotated away for good."""
+    return [key for key in keys if key.partition(":")[2].startswith("/") and not os.path.exists(key.partition(":")[2])]
+
+
+class Retention:
+    """Prunes once at start and then every :data:`INTERVAL_SECONDS` on a daemon thread, which also
+    republishes the state dir's health every second (a disk that came back shows without an event)."""
+
+    def __init__(
+        self,
+        tracker: Tracker,
+        store: StateStore,
+        policy: RetentionPolicy,
+        *,
+        interval: float = INTERVAL_SECONDS,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.tracker = tracker
+        self.store = store
+        self.policy = policy
+        self.interval = interval
+        self._clock = clock
+        self._accounted = 0  # records (in the tracker's list) whose resumes are already in the store's meta
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="tqmon-retention", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout=5)
+
+    def _run(self) -> None:
+        next_round = 0.0
+        while not self._stop.is_set():
+            try:
+                if time.monotonic() >= next_round:
+                    next_round = time.monotonic() + self.interval
+                    self.prune()
+                self.tracker.refresh_state()
+            except Exception:  # retention must never take the service down
+                log.exception("retention round failed")
+            self._stop.wait(RETRY_SECONDS)
+
+    def prune(self) -> int:
+        """One round; returns the number of events deleted."""
+        now = self._clock()
+        records = self.tracker.records()
+        first = first_retained(records, self.policy, now)
+        keep = {evidence.event_id for record in records[first:] for evidence in record.evidence}
+        dropped = records[self._accounted : first] if first > self._accounted else []
+        deleted = self.store.prune(
+            keep,
+            newest=NEWEST_KEPT,
+            received_before=now - MIN_AGE_SECONDS,
+            dead_cursors=dead_cursor_keys(self.store.cursor_keys()),
+            meta_increments={PRUNED_RESUMES: sum(r.resumed for r in dropped)},
+        )
+        if deleted is None:
+            return 0
+        self._accounted = max(self._accounted, first)
+        if deleted:
+            log.info("retention: deleted %d events, keeping %d records", deleted, len(records) - first)
+        return deleted
