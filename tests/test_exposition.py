@@ -88,6 +88,7 @@ def full_snapshot(now: float = NOW) -> Snapshot:
             45, "checkpoint", {"pending": 1, "running": 1, "finished": 9, "failure": 1}, {"failure": 1}, 7
         ),
         sources=(
+            SourceHealth("checkpoint", False, now - 20, 0.003, "controller_state.pkl: refused", 100.0),
             SourceHealth("events", True, now - 10, 0.001, None, None),
             SourceHealth("log", True, now - 1, 0.0002, None, 30.0),
             SourceHealth("tq", True, now - 400, 0.05, None, 60.0),  # stale: reads down
@@ -97,6 +98,7 @@ def full_snapshot(now: float = NOW) -> Snapshot:
             "tqmon_events_rejected_total": {("malformed_json",): 2},
             "tqmon_log_lines_total": {("event",): 12, ("ignored",): 30, ("malformed",): 1},
             "tqmon_source_errors_total": {("log", "malformed_line"): 1, ("tq", "timeout"): 3},
+            "tqmon_checkpoint_pickle_refusals_total": {("too_deep",): 1},
         },
     )
 

@@ -10,14 +10,14 @@ import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import asdict
-from typing import Any
+from typing import Annotated, Any
 
 import click
 import uvicorn
 from fastapi import FastAPI, Query, Request
 from fastapi.openapi.utils import get_openapi
 from fastapi.responses import HTMLResponse, JSONResponse, Response
-from pydantic import BaseModel, TypeAdapter, ValidationError
+from pydantic import BaseModel, Field, TypeAdapter, ValidationError
 
 from tqmon import __version__
 from tqmon.events import EVENT_TYPE_NAMES, Event, describe_validation
@@ -28,7 +28,8 @@ from tqmon.statelock import StateError
 from tqmon.store import StateUnavailable
 
 EVENTS_ADAPTER: TypeAdapter[list[Event]] = TypeAdapter(list[Event])
-BODY_ADAPTER: TypeAdapter[Event | list[Event]] = TypeAdapter(Event | list[Event])
+Batch = Annotated[list[Event], Field(min_length=1)]  # an empty batch carries no event: 422
+BODY_ADAPTER: TypeAdapter[Event | list[Event]] = TypeAdapter(Event | Batch)
 
 
 class IngestResult(BaseModel):
@@ -183,7 +184,7 @@ def create_app(service: Service) -> FastAPI:
             return _reject(service, 422, "invalid_event", "body: an empty batch carries no event")
         for index, item in enumerate(items):
             kind = item.get("type") if isinstance(item, dict) else None
-            if kind not in EVENT_TYPE_NAMES:
+            if not isinstance(kind, str) or kind not in EVENT_TYPE_NAMES:  # a dict or list is unhashable
                 where = f"[{index}].type" if isinstance(body, list) else "type"
                 return _reject(
                     service, 422, "unknown_type", f"{where}: {kind!r} is not one of {sorted(EVENT_TYPE_NAMES)}"

@@ -310,6 +310,7 @@ class Tracker:
                 "tqmon_events_rejected_total",
                 "tqmon_log_lines_total",
                 "tqmon_source_errors_total",
+                "tqmon_checkpoint_pickle_refusals_total",
             )
         }
         if flag_config is not None:  # (trainer_mode, config, where it came from); run_started overrides it
@@ -378,6 +379,12 @@ class Tracker:
                 self._counters["tqmon_log_lines_total"][(outcome,)] += n
             self._publish()
             return applied, duplicates
+
+    def count(self, name: str, labels: tuple[str, ...], n: int = 1) -> None:
+        """Increment a persisted counter of the catalog that no event moves (a refused pickle)."""
+        with self._lock:
+            self._count(name, labels, n)
+            self._publish()
 
     def refresh_state(self) -> None:
         """Republish when the state dir's health changed unprompted (a probe found the disk back)."""

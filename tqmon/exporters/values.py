@@ -134,6 +134,8 @@ def metric_values(snapshot: Snapshot, now: float) -> Iterator[tuple[MetricSpec, 
     values["tqmon_state_writable"] = [Series((), float(snapshot.state.writable))]
     if "log" not in sources:
         values.pop("tqmon_log_lines_total", None)
+    if "checkpoint" not in sources:
+        values.pop("tqmon_checkpoint_pickle_refusals_total", None)
 
     for spec in BY_NAME.values():
         series = values.get(spec.name)

@@ -32,6 +32,7 @@ from typing import Any, ClassVar
 
 from tqmon.composition import EMPTY, Composition, CompositionError, Progress, compose
 from tqmon.events import CheckpointSaved
+from tqmon.picklescan import PickleRefused, scan
 from tqmon.tracker import Tracker, checkpoint_doomed
 from tqmon.warmup import (
     DOOM_REASONS,
@@ -56,9 +57,10 @@ log = logging.getLogger(__name__)
 class CheckpointError(Exception):
     """A checkpoint tqmon cannot read; ``reason`` is the ``tqmon_source_errors_total`` label."""
 
-    def __init__(self, reason: str, message: str) -> None:
+    def __init__(self, reason: str, message: str, refusal: str | None = None) -> None:
         super().__init__(message)
         self.reason = reason
+        self.refusal = refusal  # a refused pickle: the tqmon_checkpoint_pickle_refusals_total reason
 
 
 # ---------------------------------------------------------------- restricted unpickling
@@ -189,10 +191,14 @@ class RestrictedUnpickler(pickle.Unpickler):
                 "invalid_data",
                 f"refused global {module}.{name}: not part of a TransferQueue controller state "
                 "(the file is corrupt or hostile; nothing was executed)",
+                refusal="forbidden_global",
             ) from None
 
     def persistent_load(self, pid: Any) -> Any:
         raise CheckpointError("invalid_data", "refused persistent id: not part of a TransferQueue controller state")
+
+
+TRUNCATED = "truncated pickle (ended before its STOP opcode)"
 
 
 def restricted_load(handle: io.BufferedReader | _ProgressReader) -> Any:
@@ -202,13 +208,14 @@ def restricted_load(handle: io.BufferedReader | _ProgressReader) -> Any:
     except CheckpointError:
         raise
     except EOFError:
-        raise CheckpointError("invalid_data", "truncated pickle (ended before its STOP opcode)") from None
+        raise CheckpointError("invalid_data", TRUNCATED, refusal="truncated") from None
     except pickle.UnpicklingError as err:
         if "truncated" in str(err):
-            raise CheckpointError("invalid_data", "truncated pickle (ended before its STOP opcode)") from None
-        raise CheckpointError("invalid_data", f"not a valid pickle: {err}") from None
+            raise CheckpointError("invalid_data", TRUNCATED, refusal="truncated") from None
+        raise CheckpointError("invalid_data", f"not a valid pickle: {err}", refusal="malformed") from None
     except Exception as err:  # TypeError/ValueError/... from malformed opcodes or stand-ins fed garbage
-        raise CheckpointError("invalid_data", f"not a valid pickle: {type(err).__name__}: {err}") from None
+        message = f"not a valid pickle: {type(err).__name__}: {err}"
+        raise CheckpointError("invalid_data", message, refusal="malformed") from None
 
 
 # ---------------------------------------------------------------- progress
@@ -413,14 +420,20 @@ def read_checkpoint(
             st = os.fstat(handle.fileno())
             large = progress is not None and st.st_size >= LARGE_CHECKPOINT_BYTES
             factory = progress if large and progress is not None else _no_progress
+            scan(handle, st.st_size)  # sizes, memo and nesting checked before anything is built
+            handle.seek(0)
             with factory(f"reading {CONTROLLER_FILE}", st.st_size) as bar:
                 state = restricted_load(_ProgressReader(handle, bar) if large else handle)
+    except PickleRefused as err:
+        what = TRUNCATED if err.reason == "truncated" else f"refused before unpickling ({err.reason})"
+        message = f"{path}: {what}: {err}"
+        raise CheckpointError("invalid_data", message, refusal=err.reason) from None
     except FileNotFoundError:
         raise CheckpointError("read_error", f"{path} does not exist (tq.load_checkpoint would fail)") from None
     except OSError as err:
         raise CheckpointError("read_error", f"{path}: {err.strerror or err}") from None
     except CheckpointError as err:
-        raise CheckpointError(err.reason, f"{path}: {err}") from None
+        raise CheckpointError(err.reason, f"{path}: {err}", err.refusal) from None
     try:
         tags = partition_tags(state)
         with factory(f"classifying {len(tags)} keys", len(tags)) as bar:
@@ -712,6 +725,8 @@ class CheckpointSource:
                     reading = read_checkpoint(self.checkpoint_dir)
                 except CheckpointError as err:
                     self._error = err
+                    if err.refusal is not None:  # counted once per file version, like the read
+                        self.tracker.count("tqmon_checkpoint_pickle_refusals_total", (err.refusal,))
                 else:
                     self.tracker.ingest([reading.to_event()], SOURCE)
         except Exception as err:  # a bug must not kill the thread: report it as this source's failure
