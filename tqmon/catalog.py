@@ -53,7 +53,15 @@ SOURCES = ("tq", "checkpoint", "log", "jsonl", "events")
 PARTITIONS = ("train", "val")
 WINDOW_STATUSES = ("ok", "under_filled", "over_filled", "unknown")
 TRAINER_MODES = ("colocate_async", "separate_async", "sync", "unknown")
-REJECT_REASONS = ("malformed_json", "invalid_event", "unknown_type", "too_large", "unauthorized", "state_unavailable")
+REJECT_REASONS = (
+    "malformed_json",
+    "invalid_event",
+    "unknown_type",
+    "too_large",
+    "unauthorized",
+    "too_slow",
+    "state_unavailable",
+)
 PICKLE_REFUSAL_REASONS = ("forbidden_global", "oversized_length", "memo_index", "too_deep", "truncated", "malformed")
 STATE_WRITE_FAILURE_REASONS = ("read_only", "no_space", "missing", "io_error")
 SOURCE_ERROR_REASONS = ("read_error", "malformed_line", "timeout", "unavailable", "invalid_data")

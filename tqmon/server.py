@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import html
 import json
@@ -22,6 +23,7 @@ from pydantic import BaseModel, Field, TypeAdapter, ValidationError
 from tqmon import __version__
 from tqmon.events import EVENT_TYPE_NAMES, Event, describe_validation
 from tqmon.exporters.prometheus import render
+from tqmon.httpserver import BODY_TIMEOUT_SECONDS, UVICORN_LIMITS, GuardedH11Protocol
 from tqmon.report import verdict
 from tqmon.service import ConfigError, Service, ServiceConfig
 from tqmon.statelock import StateError
@@ -150,6 +152,7 @@ def create_app(service: Service) -> FastAPI:
         responses={
             400: {"model": Problem},
             401: {"model": Problem},
+            408: {"model": Problem},
             413: {"model": Problem},
             422: {"model": Problem},
             503: {"model": Problem},
@@ -171,10 +174,14 @@ def create_app(service: Service) -> FastAPI:
         if declared is not None and declared.isdigit() and int(declared) > service.max_body_bytes:
             return _reject(service, 413, "too_large", f"body of {declared} bytes exceeds {service.max_body_bytes}")
         raw = bytearray()
-        async for chunk in request.stream():
-            raw += chunk
-            if len(raw) > service.max_body_bytes:
-                return _reject(service, 413, "too_large", f"body exceeds {service.max_body_bytes} bytes")
+        try:
+            async with asyncio.timeout(BODY_TIMEOUT_SECONDS):  # a slow body must not hold a request for ever
+                async for chunk in request.stream():
+                    raw += chunk
+                    if len(raw) > service.max_body_bytes:
+                        return _reject(service, 413, "too_large", f"body exceeds {service.max_body_bytes} bytes")
+        except TimeoutError:
+            return _reject(service, 408, "too_slow", f"body not received within {BODY_TIMEOUT_SECONDS:g} s")
         try:
             body = json.loads(raw)
         except (json.JSONDecodeError, UnicodeDecodeError) as err:
@@ -226,4 +233,12 @@ def serve_forever(config: ServiceConfig, log_level: str = "info") -> None:
         raise click.ClickException(str(err)) from None
     host = f"[{config.host}]" if ":" in config.host else config.host
     click.echo(f"tqmon {__version__} serving on http://{host}:{config.port}/  (metrics: /metrics)", err=True)
-    uvicorn.run(create_app(service), host=config.host, port=config.port, log_level=log_level, access_log=False)
+    uvicorn.run(
+        create_app(service),
+        host=config.host,
+        port=config.port,
+        log_level=log_level,
+        access_log=False,
+        http=GuardedH11Protocol,
+        **UVICORN_LIMITS,
+    )
