@@ -68,7 +68,7 @@ def test_slowloris_idle_and_slow_body_connections_do_not_slow_metrics_and_are_cl
     slow_body = connect(proc)
     slow_body.sendall(
         b"POST /api/v1/events HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
-        b"Content-Length: 200\r\n\r\n{\"type\":"
+        b'Content-Length: 200\r\n\r\n{"type":'
     )
     opened = time.monotonic()
     under_abuse: list[float] = []
