@@ -497,7 +497,10 @@ class Tracker:
     def _apply(self, event: Event, source: str, received_at: float) -> None:
         at = event.timestamp(received_at)
         obs: _Observed | None
-        self._trainer_last_event = at if self._trainer_last_event is None else max(self._trainer_last_event, at)
+        # Freshness is judged on tqmon's clock: a trainer clock running ahead must not make data look newer
+        # than its arrival (docs/reliability.md, clock skew).
+        seen = min(at, received_at)
+        self._trainer_last_event = seen if self._trainer_last_event is None else max(self._trainer_last_event, seen)
         match event:
             case RunStarted():
                 run = RunInfo(event.run_id, event.trainer_mode, event.verl_version, event.config.model_dump(), "events")
@@ -584,7 +587,7 @@ class Tracker:
                     self._rederive()  # the open start may have resumed from this very checkpoint
                     obs = None
             case WindowObserved():
-                self._windows[event.partition] = WindowView(event.partition, source, at, _str_keys(event.by_status))
+                self._windows[event.partition] = WindowView(event.partition, source, seen, _str_keys(event.by_status))
                 obs = None
         if obs is not None:
             obs.evidence.append(Evidence(source, event.type, event.id, at, _describe(event)))
