@@ -30,7 +30,8 @@ def controller_pid() -> int:
     import ray
 
     handle = ray.get_actor("TransferQueueController", namespace="transfer_queue")
-    return int(ray.get(handle.__ray_call__.remote(lambda _self: os.getpid()), timeout=30))
+    pid: Any = ray.get(handle.__ray_call__.remote(lambda _self: os.getpid()), timeout=30)
+    return int(pid)
 
 
 def max_latency(url: str, seconds: float) -> float:
