@@ -4,6 +4,7 @@ trainer clock skewed against tqmon's."""
 
 from __future__ import annotations
 
+import functools
 import os
 import signal
 import threading
@@ -32,6 +33,10 @@ def controller_pid() -> int:
     handle = ray.get_actor("TransferQueueController", namespace="transfer_queue")
     pid: Any = ray.get(handle.__ray_call__.remote(lambda _self: os.getpid()), timeout=30)
     return int(pid)
+
+
+def shows(series: str, expected: float, exposition: str) -> bool:
+    return sample_value(exposition, series) == expected
 
 
 def max_latency(url: str, seconds: float) -> float:
@@ -97,7 +102,7 @@ def test_a_stalled_checkpoint_read_stops_only_the_checkpoint_source(tmp_path: Pa
             stamp = time.strftime("%Y-%m-%d %H:%M:%S,000", time.gmtime())
             with log.open("a") as out:
                 out.write(f"INFO:{stamp}:pending: {step}, running: 1, finished: 2, failure: 0\n")
-            text = wait_for(proc, lambda t, s=step: sample_value(t, pending) == s)
+            text = wait_for(proc, functools.partial(shows, pending, float(step)))
             assert sample_value(text, 'tqmon_source_up{source="log"}') == 1
         assert max_latency(proc.url, 1.0) < 1.0
         status = httpx.get(proc.url + "/api/v1/status", timeout=5).json()
