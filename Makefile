@@ -5,7 +5,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 TORCH_VERSION := 2.13.0
 
-.PHONY: demo test lint typecheck unit docs bench clean system-deps
+.PHONY: demo test lint typecheck unit docs bench fuzz soak clean system-deps
 
 $(BIN)/tqmon: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -42,6 +42,15 @@ bench: $(BIN)/tqmon
 	$(BIN)/python bench/bench_service.py
 	$(BIN)/python bench/bench_tq_poll.py
 	$(BIN)/python bench/bench_verl_plugin.py
+	$(BIN)/python bench/bench_startup.py
+
+# The schemathesis run of the test suite with a 20x budget (tests/test_api_fuzz.py).
+fuzz: $(BIN)/tqmon
+	TQMON_FUZZ_EXAMPLES=2000 $(BIN)/pytest tests/test_api_fuzz.py -q
+
+# A compressed long run against the simulator (docs/reliability.md); a few minutes.
+soak: $(BIN)/tqmon system-deps
+	PYTHONPATH=. $(BIN)/python bench/soak.py  # reuses the tests' tqmon and Prometheus launchers
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache tqmon-state

@@ -356,6 +356,14 @@ def main() -> None:
     help="Resume records older than this are pruned too (the latest start is always kept).",
     env="RETAIN_DAYS",
 )
+@option(
+    "--retain-min-age",
+    type=float,
+    default=3600.0,
+    show_default=True,
+    help="Seconds an event is kept whatever retention says: a post retried within it is still a duplicate.",
+    env="RETAIN_MIN_AGE",
+)
 @trainer_config_options
 def serve(
     listen: str,
@@ -378,6 +386,7 @@ def serve(
     recover: bool,
     retain_records: int,
     retain_days: float,
+    retain_min_age: float,
     trainer: TrainerFlags,
 ) -> None:
     """Serve /metrics, /api/v1/status and the trainer event API (POST /api/v1/events).
@@ -406,7 +415,7 @@ def serve(
             budget=tq_budget, min_interval=tq_min_interval, max_interval=tq_max_interval, fast_period=tq_fast_period
         ),
         recover=recover,
-        retention=RetentionPolicy(records=retain_records, days=retain_days),
+        retention=RetentionPolicy(records=retain_records, days=retain_days, min_age=retain_min_age),
     )
     serve_forever(config, log_level)
 

@@ -4,7 +4,7 @@ State is the fold of the stored events, so only events the fold no longer needs 
 kept while it is evidence of a retained resume record (the last ``--retain-records``, started within
 ``--retain-days``; the latest start always), or among the newest of its type that the live state
 reads (the step rate, checkpoint compositions a future resume completes from, the windows), or the
-run config in force for those. Everything else older than :data:`MIN_AGE_SECONDS` is deleted; the
+run config in force for those. Everything else older than ``--retain-min-age`` is deleted; the
 resumes of dropped records stay counted in ``tqmon_resumes_total``.
 """
 
@@ -21,8 +21,7 @@ from tqmon.snapshot import ResumeRecord
 from tqmon.store import PRUNED_RESUMES, RETRY_SECONDS, StateStore
 from tqmon.tracker import KEPT_COMPOSITIONS, STEP_RATE_WINDOW, Tracker
 
-MIN_AGE_SECONDS = 3600.0  # younger events are never pruned: a retried post within the hour still dedups
-INTERVAL_SECONDS = 300.0
+INTERVAL_SECONDS = 300.0  # at most; a short --retain-min-age prunes more often
 NEWEST_KEPT = {
     "step_completed": STEP_RATE_WINDOW,
     "checkpoint_saved": KEPT_COMPOSITIONS,
@@ -35,12 +34,20 @@ log = logging.getLogger(__name__)
 class RetentionPolicy:
     records: int = 1000
     days: float = 365.0
+    min_age: float = 3600.0  # younger events are never pruned: a post retried within it still dedups
 
     def validate(self) -> None:
         if self.records < 1:
             raise ValueError(f"--retain-records must be at least 1, got {self.records}")
         if self.days <= 0:
             raise ValueError(f"--retain-days must be positive, got {self.days}")
+        if self.min_age < 0:
+            raise ValueError(f"--retain-min-age must not be negative, got {self.min_age}")
+
+    @property
+    def interval(self) -> float:
+        """Seconds between retention rounds."""
+        return min(INTERVAL_SECONDS, max(1.0, self.min_age / 4))
 
 
 def first_retained(records: Sequence[ResumeRecord], policy: RetentionPolicy, now: float) -> int:
@@ -69,13 +76,11 @@ class Retention:
         store: StateStore,
         policy: RetentionPolicy,
         *,
-        interval: float = INTERVAL_SECONDS,
         clock: Callable[[], float] = time.time,
     ) -> None:
         self.tracker = tracker
         self.store = store
         self.policy = policy
-        self.interval = interval
         self._clock = clock
         self._accounted = 0  # records (in the tracker's list) whose resumes are already in the store's meta
         self._stop = threading.Event()
@@ -94,7 +99,7 @@ class Retention:
         while not self._stop.is_set():
             try:
                 if time.monotonic() >= next_round:
-                    next_round = time.monotonic() + self.interval
+                    next_round = time.monotonic() + self.policy.interval
                     self.prune()
                 self.tracker.refresh_state()
             except Exception:  # retention must never take the service down
@@ -111,7 +116,7 @@ class Retention:
         deleted = self.store.prune(
             keep,
             newest=NEWEST_KEPT,
-            received_before=now - MIN_AGE_SECONDS,
+            received_before=now - self.policy.min_age,
             dead_cursors=dead_cursor_keys(self.store.cursor_keys()),
             meta_increments={PRUNED_RESUMES: sum(r.resumed for r in dropped)},
         )
