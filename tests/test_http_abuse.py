@@ -18,6 +18,9 @@ from tqmon.httpserver import BODY_TIMEOUT_SECONDS, HEAD_TIMEOUT_SECONDS
 
 Factory = Callable[..., TqmonProcess]
 IDLE_CONNECTIONS = 400
+# Latency bound under abuse: 5x the idle p95 just measured, or this floor on a loaded 2-core box; starving
+# the event loop (the failure this guards) costs seconds.
+FLOOR_SECONDS = 0.5
 SLOWLORIS = 100
 
 
@@ -77,7 +80,7 @@ def test_slowloris_idle_and_slow_body_connections_do_not_slow_metrics_and_are_cl
             sock.sendall(b"X-Slow: 1\r\n")
         under_abuse += latencies(proc, 1.0)
 
-    assert p95(under_abuse) < max(5 * p95(baseline), 0.25), (p95(baseline), p95(under_abuse))
+    assert p95(under_abuse) < max(5 * p95(baseline), FLOOR_SECONDS), (p95(baseline), p95(under_abuse))
     assert max(under_abuse) < 2.0
 
     time.sleep(max(0.0, max(HEAD_TIMEOUT_SECONDS, BODY_TIMEOUT_SECONDS) + 1.5 - (time.monotonic() - opened)))
@@ -94,6 +97,7 @@ def test_a_flood_of_small_posts_from_one_client_does_not_slow_metrics(tqmon_fact
     proc = tqmon_factory().start()
     baseline = latencies(proc, 1.0)
     statuses: Counter[int] = Counter()
+    errors: list[str] = []
     stop = threading.Event()
 
     def flood(worker: int) -> None:
@@ -101,7 +105,11 @@ def test_a_flood_of_small_posts_from_one_client_does_not_slow_metrics(tqmon_fact
             n = 0
             while not stop.is_set():
                 body = {"type": "step_completed", "id": f"flood/{worker}/{n}", "global_step": n}
-                statuses[client.post("/api/v1/events", json=body).status_code] += 1
+                try:
+                    statuses[client.post("/api/v1/events", json=body).status_code] += 1
+                except httpx.HTTPError as err:  # counted, so the assertion below names it
+                    statuses[-1] += 1
+                    errors.append(repr(err))
                 n += 1
 
     workers = [threading.Thread(target=flood, args=(w,)) for w in range(4)]
@@ -114,7 +122,7 @@ def test_a_flood_of_small_posts_from_one_client_does_not_slow_metrics(tqmon_fact
         for worker in workers:
             worker.join()
 
-    assert set(statuses) == {200} and sum(statuses.values()) > 100, statuses
-    assert p95(under_flood) < max(5 * p95(baseline), 0.25), (p95(baseline), p95(under_flood))
+    assert set(statuses) == {200} and sum(statuses.values()) > 100, (statuses, errors[:3])
+    assert p95(under_flood) < max(5 * p95(baseline), FLOOR_SECONDS), (p95(baseline), p95(under_flood))
     applied = 'tqmon_events_total{outcome="applied",source="events"}'
     assert f"{applied} {float(sum(statuses.values()))}" in proc.metrics()  # every 200 is an applied event
