@@ -174,21 +174,18 @@ class StateStore:
             raise StateCorrupt(self._corrupt_message(f"foreign tables {sorted(tables)}"))
         if version == SCHEMA_VERSION:
             return
-        db.execute("BEGIN IMMEDIATE")
+        if tables:
+            log.info("migrating %s from schema %d to %d", self.path, version or 1, SCHEMA_VERSION)
+        db.execute("BEGIN IMMEDIATE")  # SQLite DDL is transactional: a crash leaves the old schema whole
         try:
-            if version == 0:
-                if tables:
-                    log.info("migrating %s from schema 1 to %d", self.path, SCHEMA_VERSION)
-                db.executescript(SCHEMA_V1)
-                db.executescript(MIGRATE_V1_V2)
-                # executescript commits the open transaction first: the version is the last thing written
+            for statement in f"{SCHEMA_V1};{MIGRATE_V1_V2}".split(";"):
+                if statement.strip():
+                    db.execute(statement)
             db.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
         except BaseException:
-            if db.in_transaction:
-                db.execute("ROLLBACK")
+            db.execute("ROLLBACK")
             raise
-        if db.in_transaction:
-            db.execute("COMMIT")
+        db.execute("COMMIT")
 
     def _move_aside(self) -> Path:
         """Rename the state file (and its WAL) to ``<name>.corrupt-<UTC time>``; nothing is deleted."""
