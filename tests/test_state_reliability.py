@@ -26,7 +26,14 @@ from tqmon.store import DB_NAME, SCHEMA_V1, SCHEMA_VERSION, StateStore
 from tqmon.tracker import Tracker
 
 Factory = Callable[..., TqmonProcess]
-HAS_UNSHARE = shutil.which("unshare") is not None and shutil.which("nsenter") is not None
+
+
+def can_mount_privately() -> bool:
+    """util-linux's unshare/nsenter present and allowed to make a mount namespace (root, CAP_SYS_ADMIN)."""
+    if shutil.which("unshare") is None or shutil.which("nsenter") is None:
+        return False
+    probe = ["unshare", "--mount", "--propagation", "private", "true"]
+    return subprocess.run(probe, capture_output=True, check=False).returncode == 0
 
 
 def step(n: int, prefix: str = "s") -> dict[str, Any]:
@@ -155,8 +162,8 @@ def test_a_store_from_a_newer_tqmon_is_refused(tmp_path: Path) -> None:
 def on_tmpfs(tqmon_factory: Factory) -> Iterator[TqmonProcess]:
     """tqmon whose state dir is a 2 MiB tmpfs in its own mount namespace, so the test can fill it or
     remount it read-only (``nsenter``) without touching the machine's mounts."""
-    if not HAS_UNSHARE:
-        pytest.skip("needs util-linux unshare/nsenter")
+    if not can_mount_privately():
+        pytest.skip("needs util-linux unshare/nsenter and the right to create a mount namespace (root)")
     proc = tqmon_factory()
     proc.state_dir.mkdir(parents=True)
     proc.wrap = [
