@@ -1,5 +1,5 @@
 # Two entry points for a fresh clone: `make demo` and `make test`. Both build the venv from this
-# repository's own files; `make test` also installs Debian's prometheus (promtool) when missing.
+# repository's own files; `make test` also installs Debian's prometheus (promtool) and chromium when missing.
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
@@ -19,6 +19,9 @@ system-deps:
 	@command -v promtool >/dev/null && command -v prometheus >/dev/null || { \
 	  echo "installing Debian's prometheus (for promtool and the end-to-end tests)"; \
 	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq prometheus >/dev/null; }
+	@command -v chromium >/dev/null || { \
+	  echo "installing Debian's chromium (headless browser test of the status page)"; \
+	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null; }
 
 demo: $(BIN)/tqmon
 	$(BIN)/tqmon demo
@@ -36,7 +39,7 @@ unit: $(BIN)/tqmon system-deps
 test: lint typecheck unit
 
 docs: $(BIN)/tqmon
-	$(BIN)/python -m tqmon.docs && $(BIN)/python -m tqmon.rules && $(BIN)/python -m tqmon.dashboards
+	$(BIN)/python -m mixin.docs && $(BIN)/python -m mixin.rules && $(BIN)/python -m mixin.dashboards
 
 bench: $(BIN)/tqmon
 	$(BIN)/python bench/bench_service.py

@@ -9,17 +9,21 @@ writes only to a temporary directory. Every tqmon is a real ``tqmon serve`` subp
 - ``POST /api/v1/events`` throughput for single events and for batches of 100.
 - Log tailing throughput: a ``LogSource``'s first poll (the ``serve`` path, on-disk store, a transaction per
   10k lines) and ``ingest_file`` (the ``analyze`` path, in-memory store) over 200k generated lines.
+- OTLP push: the cost of one export of the whole catalog (collect from the snapshot, encode, POST to a real
+  protobuf receiver on loopback) with 1 and 10,000 stored resume records, and ``/metrics`` latency of a tqmon
+  pushing every 100 ms against one that does not, side by side (target: p95 on <= 1.1x off).
 """
 
 from __future__ import annotations
 
+import os
 import socket
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -27,6 +31,8 @@ from typing import Any
 import httpx
 
 from tqmon.events import parse_event
+from tqmon.exporters.otlp import OTLPExporter, base_resource, settings
+from tqmon.snapshot import Snapshot, Tally
 from tqmon.sources.logfile import LogSource, ingest_file
 from tqmon.store import StateStore
 from tqmon.tracker import Tracker
@@ -38,6 +44,9 @@ SINGLE_EVENTS = 2_000
 BATCH_SIZE = 100
 BATCHES = 100
 LOG_LINES = 200_000
+OTLP_EXPORTS = 200
+OTLP_BENCH_INTERVAL_MS = "50"  # far below the 60 s default, so that many pushes overlap the scrapes
+OTLP_SCRAPES = 2_000
 START_TIMEOUT = 120.0
 
 RUN_STARTED: dict[str, Any] = {
@@ -108,8 +117,10 @@ def prefill(state_dir: Path, resumes: int) -> None:
 class Tqmon:
     """``tqmon serve`` as a subprocess on a free loopback port."""
 
-    def __init__(self, state_dir: Path) -> None:
+    def __init__(self, state_dir: Path, args: Sequence[str] = (), env: dict[str, str] | None = None) -> None:
         self.state_dir = state_dir
+        self.args = list(args)
+        self.env = env or {}
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.out = state_dir.parent / f"tqmon-{self.port}.out"
@@ -118,10 +129,10 @@ class Tqmon:
 
     def start(self) -> Tqmon:
         command = [sys.executable, "-m", "tqmon.cli", "serve", "--listen", f"127.0.0.1:{self.port}"]
-        command += ["--state-dir", str(self.state_dir), "--log-level", "warning"]
+        command += ["--state-dir", str(self.state_dir), "--log-level", "warning", *self.args]
         started = time.monotonic()
         with self.out.open("ab") as out:
-            self.proc = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT)
+            self.proc = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, **self.env})
         while time.monotonic() - started < START_TIMEOUT:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"tqmon exited with {self.proc.returncode}: {self.out.read_text()[-2000:]}")
@@ -145,8 +156,8 @@ class Tqmon:
 
 
 @contextmanager
-def running(state_dir: Path) -> Iterator[Tqmon]:
-    tqmon = Tqmon(state_dir)
+def running(state_dir: Path, args: Sequence[str] = (), env: dict[str, str] | None = None) -> Iterator[Tqmon]:
+    tqmon = Tqmon(state_dir, args, env)
     try:
         yield tqmon.start()
     finally:
@@ -159,11 +170,11 @@ def records_total(client: httpx.Client) -> int:
     return int(response.json()["records_total"])
 
 
-def scrape_latencies(clients: Sequence[httpx.Client]) -> list[list[float]]:
+def scrape_latencies(clients: Sequence[httpx.Client], scrapes: int = SCRAPES) -> list[list[float]]:
     """Seconds per ``GET /metrics`` (body read in full) for each client, after a few unmeasured warmup
     scrapes. The clients take turns, so background load on the machine hits every side alike."""
     samples: list[list[float]] = [[] for _ in clients]
-    for i in range(WARMUP_SCRAPES + SCRAPES):
+    for i in range(WARMUP_SCRAPES + scrapes):
         for client, measured in zip(clients, samples, strict=True):
             started = time.perf_counter()
             response = client.get("/metrics")
@@ -322,7 +333,7 @@ def bench_log(tmp: Path) -> str:
     outcomes: dict[tuple[str, ...], int] = {}
     while sum(outcomes.values()) < lines and time.perf_counter() - started < START_TIMEOUT:
         time.sleep(0.005)
-        outcomes = dict(tracker.snapshot.counters["tqmon_log_lines_total"])
+        outcomes = dict(tracker.snapshot.counters[Tally.LOG_LINES])
     elapsed = time.perf_counter() - started
     source.stop()
     if sum(outcomes.values()) != lines:
@@ -335,7 +346,7 @@ def bench_log(tmp: Path) -> str:
     started = time.perf_counter()
     ingest_file(str(path), tracker)
     elapsed = time.perf_counter() - started
-    events = tracker.snapshot.counters["tqmon_log_lines_total"].get(("event",), 0)
+    events = tracker.snapshot.counters[Tally.LOG_LINES].get(("event",), 0)
     rows.append(["ingest_file (analyze)", f"{lines:,}", f"{events:,}", f"{elapsed:.2f}", f"{lines / elapsed:,.0f}"])
     return table(
         f"Log tailing ({size_mb:.1f} MB generated verl-like log, cold start at offset 0)",
@@ -344,10 +355,124 @@ def bench_log(tmp: Path) -> str:
     )
 
 
+def otlp_receiver() -> Any:
+    """The test suite's OTLP/HTTP receiver (decodes every request with opentelemetry-proto, as a Collector does)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    from tests.otlp_receiver import OTLPReceiver
+
+    return OTLPReceiver().start()
+
+
+def snapshot_of(tracker: Tracker) -> Callable[[], Snapshot]:
+    return lambda: tracker.snapshot
+
+
+def bench_otlp_export(tmp: Path) -> str:
+    """One push of the whole catalog, in process: collect (callbacks over one pinned snapshot), encode, POST."""
+    from opentelemetry.exporter.otlp.proto.common.metrics_encoder import encode_metrics
+
+    receiver = otlp_receiver()
+    rows = []
+    try:
+        for resumes in (1, HISTORY):
+            state = tmp / f"state-otlp-{resumes}"
+            prefill(state, resumes)
+            tracker = Tracker(StateStore(state))
+            tracker.replay()
+            exporter = OTLPExporter(settings(receiver.url, {}), snapshot_of(tracker), base_resource(0, {}))
+            collect, encode, export = [], [], []
+            size = points = 0
+            for _ in range(WARMUP_SCRAPES + OTLP_EXPORTS):
+                started = time.perf_counter()
+                data = exporter.collect()
+                collected = time.perf_counter()
+                if data is None:
+                    raise RuntimeError("the collection was empty")
+                body = encode_metrics(data).SerializeToString()
+                encoded = time.perf_counter()
+                if not exporter.export_metrics():
+                    raise RuntimeError("OTLP export to the local receiver failed")
+                done = time.perf_counter()
+                collect.append(collected - started)
+                encode.append(encoded - collected)
+                export.append(done - encoded)
+                size = len(body)
+                points = (
+                    sum(
+                        len(m.data.data_points)
+                        for rm in data.resource_metrics
+                        for sm in rm.scope_metrics
+                        for m in sm.metrics
+                    )
+                    if data
+                    else 0
+                )
+            exporter.stop()
+            del collect[:WARMUP_SCRAPES], encode[:WARMUP_SCRAPES], export[:WARMUP_SCRAPES]
+            rows.append(
+                [
+                    f"{tracker.snapshot.records_total:,}",
+                    f"{points}",
+                    f"{size:,}",
+                    f"{statistics.median(collect) * 1e3:.2f}",
+                    f"{statistics.median(encode) * 1e3:.2f}",
+                    f"{statistics.median(export) * 1e3:.2f}",
+                    f"{percentile(export, 95) * 1e3:.2f}",
+                ]
+            )
+    finally:
+        receiver.stop()
+    return table(
+        f"One OTLP metrics export of the whole catalog ({OTLP_EXPORTS} each; export = collect + encode + POST to a "
+        "protobuf-decoding receiver on loopback, measured separately from the collect and encode columns)",
+        ["resume records", "points", "bytes", "collect ms", "encode ms", "export median ms", "export p95 ms"],
+        rows,
+    )
+
+
+def bench_otlp_scrapes(tmp: Path) -> str:
+    """/metrics latency with OTLP push on (every 100 ms) and off, two tqmons scraped in turn."""
+    receiver = otlp_receiver()
+    off_state, on_state = tmp / "state-otlp-off", tmp / "state-otlp-on"
+    prefill(off_state, HISTORY)
+    prefill(on_state, HISTORY)
+    push_env = {"OTEL_METRIC_EXPORT_INTERVAL": OTLP_BENCH_INTERVAL_MS}
+    try:
+        with (
+            running(off_state) as off,
+            running(on_state, ["--otlp-endpoint", receiver.url], push_env) as on,
+            httpx.Client(base_url=off.url, timeout=10) as off_client,
+            httpx.Client(base_url=on.url, timeout=10) as on_client,
+        ):
+            pushes_before = len(receiver.requests("/v1/metrics"))
+            started = time.perf_counter()
+            off_samples, on_samples = scrape_latencies([off_client, on_client], OTLP_SCRAPES)
+            elapsed = time.perf_counter() - started
+            pushes = len(receiver.requests("/v1/metrics")) - pushes_before
+    finally:
+        receiver.stop()
+    if pushes == 0:
+        raise RuntimeError("the OTLP tqmon pushed nothing during the scrapes")
+    rows = [
+        [label, f"{statistics.median(s) * 1e3:.2f}", f"{percentile(s, 95) * 1e3:.2f}"]
+        for label, s in (("OTLP off", off_samples), ("OTLP on", on_samples))
+    ]
+    ratio_median = statistics.median(on_samples) / statistics.median(off_samples)
+    ratio_p95 = percentile(on_samples, 95) / percentile(off_samples, 95)
+    rows.append(["on / off", f"{ratio_median:.2f}x", f"{ratio_p95:.2f}x"])
+    return table(
+        f"GET /metrics with OTLP push on and off ({HISTORY:,} stored resumes each, {OTLP_SCRAPES:,} scrapes each, "
+        f"taking turns; {pushes} pushes every {OTLP_BENCH_INTERVAL_MS} ms landed in the {elapsed:.1f} s of scrapes; "
+        "target p95 on <= 1.1x off)",
+        ["tqmon", "median ms", "p95 ms"],
+        rows,
+    )
+
+
 def main() -> None:
     with tempfile.TemporaryDirectory(prefix="tqmon-bench-") as name:
         tmp = Path(name)
-        for bench in (bench_scrapes, bench_ingest, bench_log):
+        for bench in (bench_scrapes, bench_ingest, bench_log, bench_otlp_export, bench_otlp_scrapes):
             print(bench(tmp), flush=True)
 
 

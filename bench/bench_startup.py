@@ -57,7 +57,7 @@ def start_once(state: Path, policy: RetentionPolicy) -> tuple[float, int, int, i
     replayed = tracker.replay()
     pruned = Retention(tracker, store, policy).prune()
     took = time.perf_counter() - started
-    kept = len(tracker.records())
+    kept = len(tracker.snapshot.records)
     store.close()
     return took, replayed, pruned, kept
 

@@ -42,7 +42,7 @@ import httpx
 from bench_service import free_port, percentile, table
 
 from tqmon.sim.rollout import trajectory_tag
-from tqmon.sources.tq import ControllerClient, PollBudget, windows_from
+from tqmon.sources.tq import ControllerClient, PollBudget, PollSettings, windows_from
 
 DEFAULT_SIZES = (1_000, 10_000, 100_000, 1_000_000)
 PUT_CHUNK = 10_000  # keys per kv_batch_put while filling
@@ -322,7 +322,7 @@ def measure(trainer: Trainer, client: ControllerClient, size: int, workdir: Path
     time_aggregation(result, time_kv_list(result, trainer, client))  # the reply is freed before tqmon starts
     result.span = span = poll_cycles(statistics.median(result.client_list))
 
-    budget = PollBudget(budget=0.01)
+    budget = PollBudget(PollSettings(budget=0.01))
     for cost in result.client_list:
         budget.record(cost)
     steady = budget.interval(now=0.0, last_cost=result.client_list[-1])

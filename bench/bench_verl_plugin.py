@@ -22,10 +22,11 @@ from collections.abc import Callable
 from typing import Any
 
 from tqmon.composition import compose
-from tqmon.events import InflightReissued, StepCompleted, TrainerConfig
+from tqmon.events import InflightReissued, StepCompleted
 from tqmon.integrations.poster import EventPoster
 from tqmon.integrations.resume import StartReporter
 from tqmon.integrations.verl import classify
+from tqmon.warmup import TrainerConfig
 
 STEP_PATH = ("fit", "step", "prepare_step", "wrapper", "_submit_batch_to_rollout")
 

@@ -34,11 +34,13 @@ from urllib.parse import quote
 import httpx
 import pytest
 
+from mixin import dashboards, dashlint
+from mixin.repo import repo_root
 from tests.conftest import TqmonProcess
 from tests.test_e2e import Prometheus, eventually
 from tests.test_rules import check_rules
 from tests.test_sim import cluster, serve_args  # noqa: F401  (cluster: the module's one Ray, a fixture)
-from tqmon import dashboards, dashlint, rules
+from tqmon import rules
 from tqmon.sim.rollout import PARTITION
 from tqmon.sim.scenarios import SCENARIOS
 
@@ -189,7 +191,7 @@ def dashboard_queries(instance: str) -> dict[str, str]:
     }
     found = {}
     for name in sorted(dashboards.DASHBOARDS):
-        model = dashboards.load((dashboards.DASHBOARD_DIR / name).read_text())
+        model = dashboards.load((repo_root() / dashboards.DASHBOARD_DIR / name).read_text())
         for where, expr in dashlint.queries(model):
             found[f"{name} {where}"] = re.sub(r"\$\{?(\w+)\}?", lambda m: values[m.group(1)], expr)
     return found

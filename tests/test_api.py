@@ -807,7 +807,7 @@ def test_health_readiness_landing_openapi_and_negotiation(tqmon_factory: Factory
     assert landing.status_code == 200
     assert landing.headers["content-type"].startswith("text/html")
     assert '<a href="/metrics">' in landing.text
-    assert "no resume observed yet; 0 resumes" in landing.text
+    assert 'data-k="verdict">no trainer start observed yet<' in landing.text  # the status page's banner
 
     schema = httpx.get(proc.url + "/openapi.json").json()
     components = schema["components"]["schemas"]
@@ -826,7 +826,7 @@ def test_health_readiness_landing_openapi_and_negotiation(tqmon_factory: Factory
     assert post_ok(proc, [RUN, START]) == {"accepted": 2, "applied": 2, "duplicates": 0}
     ready = httpx.get(proc.url + "/readyz")
     assert (ready.status_code, ready.json()) == (200, {"ready": True, "sources": {"events": True}, "problems": []})
-    assert "last start: incomplete: warmup decision not seen; 1 resumes" in httpx.get(proc.url + "/").text
+    assert 'data-k="verdict">incomplete: warmup decision not seen<' in httpx.get(proc.url + "/").text
 
     text = httpx.get(proc.url + "/metrics")
     assert text.headers["content-type"] == "text/plain; version=0.0.4; charset=utf-8"

@@ -30,15 +30,19 @@ import pytest
 from click.testing import CliRunner
 from prometheus_client.parser import text_string_to_metric_families
 
+from tqmon.checkpoint import layout, unpickler
+from tqmon.checkpoint.layout import read_checkpoint
+from tqmon.checkpoint.unpickler import CheckpointError
 from tqmon.cli import main
 from tqmon.composition import compose
-from tqmon.events import CheckpointSaved, TrainerConfig, parse_event
+from tqmon.events import CheckpointSaved, parse_event
 from tqmon.exporters.prometheus import build_registry, render
 from tqmon.sim.rollout import trajectory_tag
-from tqmon.sources import checkpoint as ckpt
-from tqmon.sources.checkpoint import CheckpointError, CheckpointSource, read_checkpoint
+from tqmon.snapshot import Tally
+from tqmon.sources.checkpoint import CheckpointSource
 from tqmon.store import StateStore
 from tqmon.tracker import Tracker
+from tqmon.warmup import GivenConfig, TrainerConfig
 
 os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"  # before ray is imported (in the fixture)
 
@@ -187,7 +191,7 @@ def test_allowlist_covers_a_real_controller_state_and_nothing_is_imported(saved:
     """Every global a real checkpoint references is allowed, and resolves to a stand-in, not TQ or torch."""
     seen: set[tuple[str, str]] = set()
 
-    class Recording(ckpt.RestrictedUnpickler):
+    class Recording(unpickler.RestrictedUnpickler):
         def find_class(self, module: str, name: str) -> Any:
             seen.add((module, name))
             return super().find_class(module, name)
@@ -203,12 +207,12 @@ def test_allowlist_covers_a_real_controller_state_and_nothing_is_imported(saved:
         ("torch", "int64"),
     } <= seen
     train = state["partitions"]["train"]
-    assert type(train) is ckpt.PartitionState
-    assert type(train.state["production_status"]) is ckpt.OpaqueTensor
+    assert type(train) is unpickler.PartitionState
+    assert type(train.state["production_status"]) is unpickler.OpaqueTensor
     assert train.state["field_metadata"]["rm_scores"].state["dtype"] == "torch.bfloat16"
 
     code = (
-        "import sys; from pathlib import Path; from tqmon.sources.checkpoint import read_checkpoint; "
+        "import sys; from pathlib import Path; from tqmon.checkpoint.layout import read_checkpoint; "
         f"assert read_checkpoint(Path({str(saved['root'])!r})).composition.restored == 20; "
         "print(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'transfer_queue', 'ray')))"
     )
@@ -303,7 +307,7 @@ def test_inspect_accepts_a_step_dir_and_reports_progress_for_large_checkpoints(
     assert inspect_json(str(saved["root"]), "--step", "45")["orphan_trajectories"] == 0
 
     assert "reading controller_state.pkl" not in run_inspect(str(saved["root"])).stderr  # small: no bar
-    monkeypatch.setattr(ckpt, "LARGE_CHECKPOINT_BYTES", 0)
+    monkeypatch.setattr(layout, "LARGE_CHECKPOINT_BYTES", 0)
     result = run_inspect(str(saved["root"]), "--json")
     assert "reading controller_state.pkl" in result.stderr and "classifying 46 keys" in result.stderr
     assert json.loads(result.stdout)["restored"] == 20  # the bars never reach stdout
@@ -335,7 +339,7 @@ def metrics(tracker: Tracker) -> str:
 
 def test_source_feeds_the_tracker_and_the_metrics(root: Path) -> None:
     config = TrainerConfig(train_batch_size=8, num_warmup_batches=3, max_off_policy_threshold=4)
-    tracker = Tracker(StateStore(None), flag_config=("colocate_async", config, "flags"))
+    tracker = Tracker(StateStore(None), given=GivenConfig("colocate_async", config, "flags"))
     source = CheckpointSource(root, tracker, interval=1.0)
     source.poll()
     view = tracker.snapshot.checkpoint
@@ -351,7 +355,7 @@ def test_source_feeds_the_tracker_and_the_metrics(root: Path) -> None:
     assert value(text, "tqmon_source_up", source="checkpoint") == 1
 
     source.poll()  # unchanged: nothing new is ingested
-    assert tracker.snapshot.counters["tqmon_events_total"] == {("checkpoint", "applied"): 1}
+    assert tracker.snapshot.counters[Tally.EVENTS] == {("checkpoint", "applied"): 1}
 
     (root / "latest_checkpointed_iteration.txt").write_text("45\n")
     source.poll()
@@ -360,7 +364,7 @@ def test_source_feeds_the_tracker_and_the_metrics(root: Path) -> None:
     assert dict(view.by_status or {}) == {"pending": 7, "running": 2, "finished": 9, "failure": 6}
     assert dict(view.doomed or {}) == {"failure": 6, "stale": 9, "filtered": 0}  # at step 46 every finished one
     assert view.orphan_trajectories == 0
-    assert tracker.snapshot.counters["tqmon_events_total"] == {("checkpoint", "applied"): 2}
+    assert tracker.snapshot.counters[Tally.EVENTS] == {("checkpoint", "applied"): 2}
 
 
 def doomed(tracker: Tracker) -> dict[str, int] | None:
@@ -389,7 +393,7 @@ def test_source_event_survives_restart_and_config_arriving_later(root: Path, tmp
     view = restarted.snapshot.checkpoint
     assert view is not None and view.step == 40 and view.orphan_trajectories == 3
     CheckpointSource(root, restarted).poll()  # the same checkpoint again: a duplicate, not a second event
-    assert restarted.snapshot.counters["tqmon_events_total"][("checkpoint", "duplicate")] == 1
+    assert restarted.snapshot.counters[Tally.EVENTS][("checkpoint", "duplicate")] == 1
 
 
 def test_tracker_checkpoint_saved_rules() -> None:
@@ -478,7 +482,7 @@ def test_an_allowed_global_cannot_be_reconfigured_by_build(root: Path) -> None:
     pkl(root).write_bytes(tamper)
     with pytest.raises(CheckpointError, match=r"refused to modify torch\._utils\._rebuild_tensor_v2"):
         read_checkpoint(root)
-    assert ckpt._rebuild_tensor.__defaults__ is None
+    assert unpickler._rebuild_tensor.__defaults__ is None
 
 
 @pytest.mark.parametrize(
@@ -515,14 +519,20 @@ def test_broken_checkpoint_fails_the_source_cleanly(root: Path, breakage: str, r
     snap = tracker.snapshot
     health = next(s for s in snap.sources if s.source == "checkpoint")
     assert not health.ok and message in (health.last_error or "")
-    assert snap.counters["tqmon_source_errors_total"] == {("checkpoint", reason): 2}
-    assert snap.checkpoint is None and snap.counters["tqmon_events_total"] == {}
+    assert snap.counters[Tally.SOURCE_ERRORS] == {("checkpoint", reason): 2}
+    assert snap.checkpoint is None and snap.counters[Tally.EVENTS] == {}
 
 
-def test_missing_checkpoint_dir_is_unavailable_until_the_first_save(tmp_path: Path) -> None:
-    tracker = Tracker(StateStore(None))
+def test_no_checkpoint_yet_is_a_state_not_a_failure(tmp_path: Path) -> None:
+    lines: list[str] = []
+    tracker = Tracker(StateStore(None), announce=lines.append)
     CheckpointSource(tmp_path / "nothing-yet", tracker).poll()
-    assert tracker.snapshot.counters["tqmon_source_errors_total"] == {("checkpoint", "unavailable"): 1}
+    health = next(s for s in tracker.snapshot.sources if s.source == "checkpoint")
+    assert health.ok and health.last_error is None and tracker.snapshot.counters[Tally.SOURCE_ERRORS] == {}
+    latest = tmp_path / "nothing-yet" / "latest_checkpointed_iteration.txt"
+    assert lines == [
+        f"checkpoint: no checkpoint saved yet: {latest} does not exist ({latest.parent} does not exist yet): waiting"
+    ]
 
 
 def test_serve_keeps_serving_with_a_hostile_checkpoint(root: Path, tmp_path: Path, tqmon_factory: Any) -> None:

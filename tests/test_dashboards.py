@@ -12,7 +12,9 @@ from typing import Any
 import pytest
 import yaml
 
-from tqmon import dashboards, dashlint, rules
+from mixin import dashboards, dashlint
+from mixin.repo import repo_root
+from tqmon import rules
 from tqmon.catalog import CATALOG, MetricType
 
 GRAFANA = Path(__file__).resolve().parent.parent / "grafana"
@@ -23,7 +25,7 @@ def known() -> frozenset[str]:
 
 
 def shipped(name: str) -> dict[str, Any]:
-    return dashboards.load((dashboards.DASHBOARD_DIR / name).read_text())
+    return dashboards.load((repo_root() / dashboards.DASHBOARD_DIR / name).read_text())
 
 
 def exprs(dashboard: dict[str, Any]) -> list[str]:
@@ -32,7 +34,9 @@ def exprs(dashboard: dict[str, Any]) -> list[str]:
 
 @pytest.mark.parametrize("name", sorted(dashboards.DASHBOARDS))
 def test_dashboard_file_matches_the_code(name: str) -> None:
-    assert (dashboards.DASHBOARD_DIR / name).read_text() == dashboards.rendered()[name], f"{name} drifted: make docs"
+    assert (repo_root() / dashboards.DASHBOARD_DIR / name).read_text() == dashboards.rendered()[name], (
+        f"{name} drifted: make docs"
+    )
 
 
 @pytest.mark.parametrize("name", sorted(dashboards.DASHBOARDS))
@@ -186,4 +190,7 @@ def test_provisioning_files() -> None:
     assert provider["apiVersion"] == 1 and provider["providers"][0]["type"] == "file"
     datasources = yaml.safe_load((GRAFANA / "provisioning" / "datasources" / "prometheus.yml").read_text())
     assert [d["type"] for d in datasources["datasources"]] == ["prometheus"]
-    assert json.loads((dashboards.DASHBOARD_DIR / "tqmon-fleet.json").read_text())["uid"] == rules.FLEET_DASHBOARD_UID
+    assert (
+        json.loads((repo_root() / dashboards.DASHBOARD_DIR / "tqmon-fleet.json").read_text())["uid"]
+        == rules.FLEET_DASHBOARD_UID
+    )

@@ -9,21 +9,25 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
-from prometheus_client import CollectorRegistry
+from prometheus_client import CollectorRegistry, Gauge
 from prometheus_client.exposition import generate_latest
 from prometheus_client.openmetrics.exposition import generate_latest as generate_openmetrics
 from prometheus_client.parser import text_string_to_metric_families
 
-from tqmon import docs
-from tqmon.catalog import BY_NAME, CATALOG, MetricType
+from mixin import docs
+from mixin.repo import repo_root
+from tqmon.catalog import BY_NAME, CATALOG, MetricType, Stability
 from tqmon.exporters.prometheus import build_registry, render
 from tqmon.snapshot import (
     CheckpointView,
     Evidence,
+    OTLPView,
     ResumeRecord,
     RunInfo,
     Snapshot,
     SourceHealth,
+    StateHealth,
+    Tally,
     TQPollView,
     WindowView,
 )
@@ -94,12 +98,14 @@ def full_snapshot(now: float = NOW) -> Snapshot:
             SourceHealth("tq", True, now - 400, 0.05, None, 60.0),  # stale: reads down
         ),
         counters={
-            "tqmon_events_total": {("log", "applied"): 12, ("events", "duplicate"): 1},
-            "tqmon_events_rejected_total": {("malformed_json",): 2},
-            "tqmon_log_lines_total": {("event",): 12, ("ignored",): 30, ("malformed",): 1},
-            "tqmon_source_errors_total": {("log", "malformed_line"): 1, ("tq", "timeout"): 3},
-            "tqmon_checkpoint_pickle_refusals_total": {("too_deep",): 1},
+            Tally.EVENTS: {("log", "applied"): 12, ("events", "duplicate"): 1},
+            Tally.EVENTS_REJECTED: {("malformed_json",): 2},
+            Tally.LOG_LINES: {("event",): 12, ("ignored",): 30, ("malformed",): 1},
+            Tally.SOURCE_ERRORS: {("log", "malformed_line"): 1, ("tq", "timeout"): 3},
+            Tally.PICKLE_REFUSALS: {("too_deep",): 1},
         },
+        otlp=OTLPView({"metrics": 3, "logs": 1}, 2),
+        state=StateHealth(False, "state dir /var/lib/tqmon not writable (no_space)", (("no_space", 3),)),
     )
 
 
@@ -208,9 +214,22 @@ def test_collect_reads_the_current_snapshot_on_every_scrape() -> None:
 
 
 def test_metrics_doc_matches_the_catalog() -> None:
-    assert docs.METRICS_DOC.read_text() == docs.render(), "docs/metrics.md drifted: run `make docs`"
+    assert (repo_root() / docs.METRICS_DOC).read_text() == docs.render(), "docs/metrics.md drifted: run `make docs`"
+    catalog_table = docs.render().split("\n## ")[0]  # the OTLP mapping's tables follow
+    rows = {line.split(" | ")[0].strip("| `"): line for line in catalog_table.splitlines() if line.startswith("| `")}
+    assert set(rows) == {spec.name for spec in CATALOG}
     for spec in CATALOG:
-        assert f"`{spec.name}`" in docs.render()
+        assert f" | {spec.stability.value} | " in rows[spec.name], spec.name
+    assert BY_NAME["tqmon_tq_controller_busy_ratio"].stability is Stability.EXPERIMENTAL
+    assert BY_NAME["tqmon_resume_under_submitted_prompt_groups"].stability is Stability.STABLE
+
+
+def test_the_collector_describes_the_catalog_so_a_colliding_metric_is_refused() -> None:
+    registry = build_registry(full_snapshot, process_metrics=False, clock=lambda: NOW)
+    for name in ("tqmon_window_prompt_groups", "tqmon_resumes"):  # a counter's family name is without _total
+        with pytest.raises(ValueError, match="Duplicated timeseries"):
+            Gauge(name, "a second metric of the same name", registry=registry)
+    Gauge("tqmon_something_else", "no collision", registry=registry)
 
 
 def test_catalog_names_follow_conventions() -> None:

@@ -148,7 +148,7 @@ def test_a_trainer_clock_ahead_never_makes_data_look_newer_than_its_arrival(tmp_
     [window] = snapshot.fresh_windows(time.time())
     assert window.observed_at <= time.time()
     # The record keeps what the trainer said (the log is the evidence), whatever tqmon's clock reads.
-    [record] = tracker.records()
+    [record] = tracker.snapshot.records
     assert record.started_at > time.time() + 3000
 
 

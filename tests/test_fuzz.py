@@ -26,8 +26,11 @@ from hypothesis import strategies as st
 from tests.test_hydra_config import HYDRA
 from tests.test_jsonl import step_line
 from tqmon.catalog import LOG_LINE_OUTCOMES, PICKLE_REFUSAL_REASONS
+from tqmon.checkpoint.layout import CONTROLLER_FILE, read_checkpoint
+from tqmon.checkpoint.unpickler import CheckpointError
 from tqmon.hydra_config import HydraConfigError, load_trainer_config
-from tqmon.sources.checkpoint import CONTROLLER_FILE, CheckpointError, CheckpointSource, read_checkpoint
+from tqmon.snapshot import SourceName, Tally
+from tqmon.sources.checkpoint import CheckpointSource
 from tqmon.sources.jsonlparse import parse_jsonl_line
 from tqmon.sources.logfile import LogSource, parse_jsonl
 from tqmon.sources.logparse import parse_line
@@ -124,15 +127,15 @@ def test_sources_survive_any_lines_and_count_them(
     (root / "metrics.jsonl").write_text("\n".join(jsonl) + "\n", errors="surrogatepass")
     tracker = Tracker(StateStore(None))
     log_source = LogSource([str(root / "trainer.log")], tracker)
-    jsonl_source = LogSource([str(root / "metrics.jsonl")], tracker, source="jsonl", parse=parse_jsonl)
+    jsonl_source = LogSource([str(root / "metrics.jsonl")], tracker, source=SourceName.JSONL, parse=parse_jsonl)
     log_source.poll()
     jsonl_source.poll()
     snapshot = tracker.snapshot
     assert all(s.ok for s in snapshot.sources), snapshot.sources  # a bad line is counted, the source stays up
-    lines = snapshot.counters["tqmon_log_lines_total"]
+    lines = snapshot.counters[Tally.LOG_LINES]
     read = (root / "trainer.log").read_bytes().count(b"\n")
     assert sum(lines.values()) == read
-    malformed = snapshot.counters["tqmon_source_errors_total"]
+    malformed = snapshot.counters[Tally.SOURCE_ERRORS]
     assert malformed.get(("log", "malformed_line"), 0) == lines.get(("malformed",), 0)
 
 
@@ -145,11 +148,11 @@ def test_hydra_reader_raises_only_its_own_error(tmp_path_factory: pytest.TempPat
     path = tmp_path_factory.mktemp("hydra") / "config.yaml"
     path.write_text(text, errors="surrogatepass")
     try:
-        mode, config = load_trainer_config(path)
+        given = load_trainer_config(path)
     except HydraConfigError as err:
         assert str(path) in str(err)
     else:
-        assert mode and config.train_batch_size > 0
+        assert given.trainer_mode and given.config.train_batch_size > 0
 
 
 # ---------------------------------------------------------------- the checkpoint unpickler
@@ -254,7 +257,7 @@ def test_each_hostile_pickle_is_refused_with_its_reason_and_counted(tmp_path: Pa
     source.poll()
     source.poll()  # the same file again: reported, not counted twice
     counters = tracker.snapshot.counters
-    assert counters["tqmon_checkpoint_pickle_refusals_total"] == {(reason,): 1}
+    assert counters[Tally.PICKLE_REFUSALS] == {(reason,): 1}
     [health] = [s for s in tracker.snapshot.sources if s.source == "checkpoint"]
     assert not health.ok and health.last_error is not None and CONTROLLER_FILE in health.last_error
 

@@ -51,7 +51,8 @@ def write(tmp_path: Path, text: str) -> Path:
 def test_reads_the_knobs_and_resolves_interpolations(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("TQMON_TEST_BATCH", "12")
     path = write(tmp_path, HYDRA)
-    mode, config = load_trainer_config(path)
+    given = load_trainer_config(path)
+    mode, config = given.trainer_mode, given.config
     assert mode == "separate_async"
     assert config.train_batch_size == 12  # from the environment, as the trainer saw it
     assert config.num_warmup_batches == 2.5  # the mode's own knob, not colocate_async's
@@ -65,7 +66,7 @@ def test_reads_the_knobs_and_resolves_interpolations(tmp_path: Path, monkeypatch
         (("trainer_mode: separate_async", "trainer_mode: turbo"), "trainer.v1.trainer_mode is 'turbo'"),
         (("  train_batch_size: ${oc.env:TQMON_TEST_BATCH,16}\n", ""), "data.train_batch_size is missing"),
         (("      num_warmup_batches: 2.5", "      num_warmup_batches: lots"), "num_warmup_batches"),
-        (("data:", "data: ["), "not a YAML mapping"),
+        (("data:", "data: ["), "invalid YAML"),
         (("max_off_policy_strategy: drop", "max_off_policy_strategy: keep"), "max_off_policy_strategy"),
     ],
 )

@@ -13,6 +13,7 @@ import os
 import re
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator
 from datetime import UTC, datetime, timedelta
@@ -24,7 +25,7 @@ from click.testing import CliRunner
 
 import tqmon
 from tqmon.cli import main
-from tqmon.snapshot import ResumeRecord, SourceHealth
+from tqmon.snapshot import ResumeRecord, SourceHealth, Tally
 from tqmon.sources import logfile
 from tqmon.sources.logfile import LogSource, ingest_file, parse_chunk, read_lines
 from tqmon.store import StateStore
@@ -75,18 +76,16 @@ def new_tracker(state_dir: Path | None = None) -> Tracker:
     return Tracker(StateStore(state_dir))
 
 
-def count(tracker: Tracker, name: str, *labels: str) -> int:
+def count(tracker: Tracker, name: Tally, *labels: str) -> int:
     return tracker.snapshot.counters.get(name, {}).get(labels, 0)
 
 
 def lines_count(tracker: Tracker) -> dict[str, int]:
-    return {o: count(tracker, "tqmon_log_lines_total", o) for o in ("event", "ignored", "malformed")}
+    return {o: count(tracker, Tally.LOG_LINES, o) for o in ("event", "ignored", "malformed")}
 
 
 def events_count(tracker: Tracker) -> tuple[int, int]:
-    return count(tracker, "tqmon_events_total", "log", "applied"), count(
-        tracker, "tqmon_events_total", "log", "duplicate"
-    )
+    return count(tracker, Tally.EVENTS, "log", "applied"), count(tracker, Tally.EVENTS, "log", "duplicate")
 
 
 def health(tracker: Tracker) -> SourceHealth:
@@ -162,7 +161,7 @@ def test_tailing_a_resume_written_line_by_line(tmp_path: Path, make_source: Call
     tracker = new_tracker()
     source = make_source([log], tracker)
     source.poll()
-    assert tracker.records() == []
+    assert list(tracker.snapshot.records) == []
     assert health(tracker).ok is True
 
     # Half a line, cut inside a multi-byte UTF-8 character: nothing until the line is complete.
@@ -170,10 +169,10 @@ def test_tailing_a_resume_written_line_by_line(tmp_path: Path, make_source: Call
     cut = line.index("é".encode()) + 1
     append(log, line[:cut])
     source.poll()
-    assert tracker.records() == []
+    assert list(tracker.snapshot.records) == []
     append(log, line[cut:])
     source.poll()
-    assert len(tracker.records()) == 1
+    assert len(tracker.snapshot.records) == 1
     assert_record(
         last(tracker),
         index=0,
@@ -235,7 +234,7 @@ def test_tailing_a_resume_written_line_by_line(tmp_path: Path, make_source: Call
     # A second start (over-restore), written in one go.
     append(log, "".join(resume(step=60, restored=96, reissued=18, cleared=41, target=64, t0=600)))
     source.poll()
-    records = tracker.records()
+    records = list(tracker.snapshot.records)
     assert len(records) == 2
     assert tracker.snapshot.resumes_total == 2
     assert_record(records[0], checkpoint_step=40, restored=64, submitted=32, warmup_state=WarmupState.TOPPED_UP)
@@ -275,15 +274,15 @@ def test_the_thread_tails_and_survives_garbage(tmp_path: Path, make_source: Call
         time.sleep(0.01)
 
     deadline = time.monotonic() + 10
-    while time.monotonic() < deadline and (not tracker.records() or last(tracker).submitted is None):
+    while time.monotonic() < deadline and (not tracker.snapshot.records or last(tracker).submitted is None):
         time.sleep(0.02)
     source.stop()
-    assert not source._thread.is_alive()
+    assert "tqmon-log" not in {thread.name for thread in threading.enumerate()}
     assert_record(
         last(tracker), checkpoint_step=40, restored=96, reissued=21, submitted=0, warmup_state=WarmupState.SKIPPED_FULL
     )
     assert lines_count(tracker) == {"event": 4, "ignored": 2, "malformed": 2}
-    assert count(tracker, "tqmon_source_errors_total", "log", "malformed_line") == 2
+    assert count(tracker, Tally.SOURCE_ERRORS, "log", "malformed_line") == 2
     assert health(tracker).ok is True
 
 
@@ -310,7 +309,7 @@ def test_truncation_reads_the_new_content_once(
     assert log.stat().st_size < 20 * len(filler[0])  # shorter than what was read: detectable
     source.poll()
 
-    records = tracker.records()
+    records = list(tracker.snapshot.records)
     assert len(records) == 2
     assert_record(records[0], checkpoint_step=40, reissued=21, warmup_state=WarmupState.SKIPPED_FULL)
     assert_record(
@@ -359,7 +358,7 @@ def test_truncated_untimestamped_lines_are_not_taken_for_old_ones(
     log.write_text(after)
     source.poll()
 
-    assert [(r.checkpoint_step, r.restored) for r in tracker.records()] == expected
+    assert [(r.checkpoint_step, r.restored) for r in tracker.snapshot.records] == expected
     assert events_count(tracker) == (4, 0)
 
 
@@ -384,7 +383,7 @@ def test_rotation_keeps_lines_written_just_before_it(
     os.rename(log, tmp_path / "trainer.log.1")  # ... when the file is rotated
     log.write_text("".join(second[:3]))
     source.poll()
-    records = tracker.records()
+    records = list(tracker.snapshot.records)
     assert len(records) == 2
     assert_record(records[0], checkpoint_step=40, reissued=20, submitted=0, warmup_state=WarmupState.SKIPPED_FULL)
     assert_record(records[1], checkpoint_step=60, restored=96, reissued=None, warmup_state=WarmupState.UNKNOWN)
@@ -395,7 +394,7 @@ def test_rotation_keeps_lines_written_just_before_it(
     assert_record(
         last(tracker), checkpoint_step=60, reissued=30, over_restored=32, warmup_state=WarmupState.SKIPPED_OVER_RESTORED
     )
-    assert len(tracker.records()) == 2
+    assert len(tracker.snapshot.records) == 2
     # The glob also reads trainer.log.1 from its start: every event in it is recognised as already applied.
     assert events_count(tracker) == (8, 4 if pattern.endswith("*") else 0)
 
@@ -423,7 +422,7 @@ def test_rotation_before_the_new_file_exists(tmp_path: Path, make_source: Callab
     source.poll()
 
     assert health(tracker).ok is True
-    records = tracker.records()
+    records = list(tracker.snapshot.records)
     assert [r.checkpoint_step for r in records] == [40, 60]
     assert_record(records[0], restored=96, reissued=21, warmup_state=WarmupState.SKIPPED_FULL)
     assert events_count(tracker) == (5, 0)
@@ -451,7 +450,7 @@ def test_restart_never_rereads_a_line(tmp_path: Path, make_source: Callable[...,
     tracker = Tracker(store)
     source = make_source([log], tracker)
     source.poll()
-    records = tracker.records()
+    records = list(tracker.snapshot.records)
     counters = tracker.snapshot.counters
     assert events_count(tracker) == (5, 0)
     assert lines_count(tracker) == {"event": 5, "ignored": 2, "malformed": 1}
@@ -461,19 +460,19 @@ def test_restart_never_rereads_a_line(tmp_path: Path, make_source: Callable[...,
     store = StateStore(state)
     tracker = Tracker(store)
     assert tracker.replay() == 5
-    assert tracker.records() == records
+    assert list(tracker.snapshot.records) == records
     assert tracker.snapshot.counters == counters
     source = make_source([log], tracker)
     source.poll()
     source.poll()
-    assert tracker.records() == records
+    assert list(tracker.snapshot.records) == records
     assert events_count(tracker) == (5, 0)  # no duplicate: nothing was read again
     assert lines_count(tracker) == {"event": 5, "ignored": 2, "malformed": 1}
-    assert count(tracker, "tqmon_source_errors_total", "log", "malformed_line") == 1
+    assert count(tracker, Tally.SOURCE_ERRORS, "log", "malformed_line") == 1
 
     append(log, "".join(lines(60, 64, 600)))
     source.poll()
-    assert len(tracker.records()) == 2
+    assert len(tracker.snapshot.records) == 2
     assert_record(last(tracker), checkpoint_step=60, reissued=30, over_restored=32)
     assert events_count(tracker) == (9, 0)
 
@@ -483,7 +482,7 @@ def test_restart_never_rereads_a_line(tmp_path: Path, make_source: Callable[...,
     alias.symlink_to(log)
     other = make_source([alias], tracker)
     other.poll()
-    assert len(tracker.records()) == 2
+    assert len(tracker.snapshot.records) == 2
     assert events_count(tracker) == (9, 9)
     store.close()
 
@@ -502,7 +501,7 @@ def test_restart_after_truncation_keeps_untimestamped_lines_apart(
     source.poll()
     log.write_text("Resuming from /c/global_step_9, setting global step to 9\n")
     source.poll()
-    assert [r.checkpoint_step for r in tracker.records()] == [0, 9]
+    assert [r.checkpoint_step for r in tracker.snapshot.records] == [0, 9]
     source.stop()
     store.close()
 
@@ -514,7 +513,11 @@ def test_restart_after_truncation_keeps_untimestamped_lines_apart(
     source = make_source([log], tracker)
     source.poll()
     source.poll()
-    assert [(r.checkpoint_step, r.resumed) for r in tracker.records()] == [(0, False), (9, True), (0, False)]
+    assert [(r.checkpoint_step, r.resumed) for r in tracker.snapshot.records] == [
+        (0, False),
+        (9, True),
+        (0, False),
+    ]
     assert events_count(tracker) == (3, 0)
     store.close()
 
@@ -547,7 +550,7 @@ def test_garbage_does_not_stop_the_source(
     assert_record(last(tracker), checkpoint_step=40, restored=96)
     assert "/ckpt/\ufffd\ufffd/global_step_40" in last(tracker).evidence[0].detail
     assert lines_count(tracker) == {"event": 2, "ignored": 4, "malformed": 3}
-    assert count(tracker, "tqmon_source_errors_total", "log", "malformed_line") == 3
+    assert count(tracker, Tally.SOURCE_ERRORS, "log", "malformed_line") == 3
     assert health(tracker).ok is True
 
     append(log, "Added lots warmup prompts after restoring 96 of 96 target prompt groups\n")
@@ -555,7 +558,7 @@ def test_garbage_does_not_stop_the_source(
     source.poll()
     assert_record(last(tracker), submitted=0, warmup_state=WarmupState.SKIPPED_FULL)
     assert lines_count(tracker) == {"event": 3, "ignored": 4, "malformed": 4}
-    assert count(tracker, "tqmon_source_errors_total", "log", "malformed_line") == 4
+    assert count(tracker, Tally.SOURCE_ERRORS, "log", "malformed_line") == 4
 
 
 # --------------------------------------------------------------------------------------------- health
@@ -576,13 +579,13 @@ def test_missing_file_marks_the_source_down_until_it_appears(
     assert state.last_error is not None
     assert str(pattern) in state.last_error
     assert state.last_success is None
-    assert count(tracker, "tqmon_source_errors_total", "log", "unavailable") == 1
+    assert count(tracker, Tally.SOURCE_ERRORS, "log", "unavailable") == 1
 
     (tmp_path / "logs").mkdir()
     (tmp_path / "logs" / "trainer-dir.log").mkdir()  # a directory is not a log
     source.poll()
     assert health(tracker).ok is False
-    assert count(tracker, "tqmon_source_errors_total", "log", "unavailable") == 2
+    assert count(tracker, Tally.SOURCE_ERRORS, "log", "unavailable") == 2
 
     (tmp_path / "logs" / "trainer-0.log").write_text(verl("Training from scratch", 0))
     source.poll()
@@ -591,8 +594,8 @@ def test_missing_file_marks_the_source_down_until_it_appears(
     assert state.last_error is None
     assert state.last_success is not None
     assert state.last_duration is not None
-    assert len(tracker.records()) == 1
-    assert count(tracker, "tqmon_source_errors_total", "log", "unavailable") == 2
+    assert len(tracker.snapshot.records) == 1
+    assert count(tracker, Tally.SOURCE_ERRORS, "log", "unavailable") == 2
 
 
 def test_an_unreadable_file_does_not_stop_the_others(
@@ -613,16 +616,16 @@ def test_an_unreadable_file_does_not_stop_the_others(
     source = make_source([tmp_path / "*.log"], tracker)
     source.poll()
     assert tracker.snapshot.trainer_step == 3
-    assert tracker.records() == []
+    assert list(tracker.snapshot.records) == []
     state = health(tracker)
     assert state.ok is False
     assert state.last_error == f"{broken}: Permission denied"
-    assert count(tracker, "tqmon_source_errors_total", "log", "read_error") == 1
+    assert count(tracker, Tally.SOURCE_ERRORS, "log", "read_error") == 1
 
     monkeypatch.undo()
     source.poll()
     assert health(tracker).ok is True
-    assert len(tracker.records()) == 1
+    assert len(tracker.snapshot.records) == 1
     assert events_count(tracker) == (2, 0)
 
 

@@ -228,7 +228,7 @@ def test_timestamps_are_local_time_like_pythons_logging_asctime() -> None:
     assert event is not None
     assert event.time is not None
     utc = calendar.timegm(STAMP_DT.timetuple()) + 0.123
-    assert event.timestamp() == pytest.approx(utc - 9 * 3600)
+    assert event.timestamp(0.0) == pytest.approx(utc - 9 * 3600)
 
 
 @contextmanager

@@ -14,7 +14,10 @@ import pytest
 import yaml
 from click.testing import CliRunner
 
-from tqmon import dashlint, rules
+from mixin import dashlint
+from mixin.repo import repo_root
+from mixin.rules import RULES_FILE
+from tqmon import rules
 from tqmon.catalog import BY_NAME, SOURCES
 from tqmon.cli import main
 
@@ -287,7 +290,7 @@ CASES = [
 
 def run_promtool_test(tmp_path: Path, name: str, series: dict[str, str], **tests: list[dict[str, Any]]) -> None:
     document = {
-        "rule_files": [str(rules.RULES_FILE)],
+        "rule_files": [str(repo_root() / RULES_FILE)],
         "evaluation_interval": "1m",
         "tests": [
             {
@@ -308,7 +311,9 @@ def alert_names() -> list[str]:
 
 
 def test_rules_file_matches_the_code() -> None:
-    assert rules.RULES_FILE.read_text() == rules.render(), "deploy/prometheus/tqmon-rules.yml drifted: run `make docs`"
+    assert (repo_root() / RULES_FILE).read_text() == rules.render(), (
+        "deploy/prometheus/tqmon-rules.yml drifted: run `make docs`"
+    )
 
 
 def check_rules(path: Path) -> str:
@@ -320,7 +325,7 @@ def check_rules(path: Path) -> str:
 
 def test_promtool_check_rules_is_clean() -> None:
     recording = len(rules.recording_rules(rules.RuleConfig()))
-    assert f"SUCCESS: {recording + len(alert_names())} rules found" in check_rules(rules.RULES_FILE)
+    assert f"SUCCESS: {recording + len(alert_names())} rules found" in check_rules(repo_root() / RULES_FILE)
 
 
 def test_rules_name_only_catalog_metrics_and_keep_counters_in_rate() -> None:
@@ -428,7 +433,7 @@ def test_no_alert_fires(tmp_path: Path, scenario: Any, minutes: int) -> None:
 def test_tqmon_rules_command_takes_every_parameter_as_a_flag_or_variable(tmp_path: Path) -> None:
     runner = CliRunner()
     default = runner.invoke(main, ["rules"], catch_exceptions=False)
-    assert default.exit_code == 0 and default.output == rules.RULES_FILE.read_text()
+    assert default.exit_code == 0 and default.output == (repo_root() / RULES_FILE).read_text()
 
     out = tmp_path / "rules.yml"
     args = ["rules", "--selector", 'job="grpo-7b"', "--under-filled-for", "20m", "-o", str(out)]

@@ -22,6 +22,7 @@ import pytest
 from tests.conftest import TqmonProcess, sample_value
 from tqmon.events import parse_event
 from tqmon.retention import Retention, RetentionPolicy
+from tqmon.snapshot import Tally
 from tqmon.store import DB_NAME, SCHEMA_V1, SCHEMA_VERSION, StateStore
 from tqmon.tracker import Tracker
 
@@ -238,7 +239,7 @@ def test_a_full_state_dir_refuses_events_and_resumes_when_space_returns(on_tmpfs
     assert post(proc, [step(2), step(3)]).json() == {"accepted": 2, "applied": 2, "duplicates": 0}
     assert on_disk(proc, "SELECT id FROM events ORDER BY seq") == [["s/1"], ["s/2"], ["s/3"]]
     # The refusal counted while the disk was full reached the disk once it came back.
-    rejected = "SELECT value FROM counters WHERE name = 'tqmon_events_rejected_total' AND labels = 'state_unavailable'"
+    rejected = f"SELECT value FROM counters WHERE name = '{Tally.EVENTS_REJECTED}' AND labels = 'state_unavailable'"
     assert on_disk(proc, rejected) == [[1]]
 
 
@@ -296,7 +297,7 @@ def test_retention_bounds_the_store_and_keeps_what_the_fold_needs(tmp_path: Path
         tracker.ingest([parse_event(step(base + k, "bulk")) for k in range(2, 202)], "events")
         now[0] += 7200.0
     assert store.stored_events() == 1 + 12 * (4 + 200)
-    records_before = tracker.records()
+    records_before = tracker.snapshot.records
     assert tracker.snapshot.resumes_total == 12
 
     retention = Retention(tracker, store, RetentionPolicy(records=5, days=365), clock=lambda: now[0])
@@ -310,7 +311,7 @@ def test_retention_bounds_the_store_and_keeps_what_the_fold_needs(tmp_path: Path
     store = StateStore(tmp_path / "state")
     restarted = Tracker(store, clock=lambda: now[0])
     restarted.replay()
-    kept = restarted.records()
+    kept = restarted.snapshot.records
     assert [r.checkpoint_step for r in kept] == [r.checkpoint_step for r in records_before[-5:]]
     assert [(r.restored, r.submitted, r.first_step_evictions) for r in kept] == [
         (r.restored, r.submitted, r.first_step_evictions) for r in records_before[-5:]

@@ -30,7 +30,7 @@ import pytest
 from tests.conftest import sample_value
 from tests.test_checkpoint import prompt_fields, put_prompts, put_trajectories
 from tqmon.snapshot import TQPollView
-from tqmon.sources.tq import PollBudget, PollerProcess, TQSource, windows_from
+from tqmon.sources.tq import PollBudget, PollerProcess, PollSettings, TQSource, windows_from
 from tqmon.store import StateStore
 from tqmon.tracker import Tracker
 
@@ -222,7 +222,7 @@ def test_attaching_polling_and_dying_leave_the_trainer_untouched(cluster: str, t
 
 
 def test_poll_budget_keeps_the_controller_share_under_the_budget() -> None:
-    budget = PollBudget(budget=0.01, min_interval=1.0, max_interval=15.0, fast_period=300.0)
+    budget = PollBudget(PollSettings(budget=0.01, min_interval=1.0, max_interval=15.0, fast_period=300.0))
     assert budget.interval(now=0.0) == 15.0  # steady, nothing measured yet
     budget.record(0.002)  # a 2 ms kv_list: 0.2 s would do, the bounds decide
     assert budget.interval(now=0.0) == 15.0
@@ -249,14 +249,14 @@ def test_poll_budget_keeps_the_controller_share_under_the_budget() -> None:
 )
 def test_poll_budget_rejects_settings_that_cannot_work(fields: dict[str, float], message: str) -> None:
     with pytest.raises(ValueError, match=re.escape(message)):
-        PollBudget(**fields).validate()
+        PollSettings(**fields).validate()
 
 
 def test_a_budget_stretched_interval_keeps_the_source_up_and_its_window_fresh(tmp_path: Path) -> None:
     """At 1M keys kv_list takes ~5 s, so the 1% budget polls every ~9 min: data stays fresh until 3 polls fail."""
     now = 1_000_000.0
     tracker = Tracker(StateStore(None), stale_after=300.0, clock=lambda: now)
-    budget = PollBudget(budget=0.01, min_interval=1.0, max_interval=15.0)
+    budget = PollBudget(PollSettings(budget=0.01, min_interval=1.0, max_interval=15.0))
     source = TQSource(tracker, PollerProcess("127.0.0.1:1", timeout=5.0), budget)
     budget.record(5.4)
     interval = budget.interval(now)

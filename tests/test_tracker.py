@@ -6,6 +6,7 @@ from pathlib import Path
 from typing import Any
 
 from tqmon.events import Event, parse_event
+from tqmon.snapshot import Tally
 from tqmon.store import StateStore
 from tqmon.tracker import Tracker
 from tqmon.warmup import WarmupState
@@ -36,7 +37,7 @@ def test_log_style_resume_without_config() -> None:
         ],
         "log",
     )
-    [record] = t.records()
+    [record] = t.snapshot.records
     assert (record.checkpoint_step, record.restored, record.reissued, record.target) == (40, 9, 3, 12)
     assert (record.expected, record.submitted, record.over_restored) == (3, 3, 0)
     assert record.restored_by_status == {"unknown": 9}
@@ -69,7 +70,7 @@ def test_plugin_composition_makes_doomed_and_deficit_exact() -> None:
         ],
         "events",
     )
-    record = t.records()[-1]
+    record = t.snapshot.records[-1]
     assert record.restored_by_status == {"pending": 2, "running": 0, "finished": 5, "failure": 2}
     assert record.doomed == {"failure": 2, "stale": 3, "filtered": 0}
     assert record.under_submitted == 12 - (9 - 5 + 3)
@@ -82,7 +83,7 @@ def test_two_sources_reporting_one_resume_make_one_record() -> None:
     t.ingest([ev("checkpoint_restored", "log:2", restored_prompt_groups=9)], "log")
     by_status = {"pending": 2, "running": 1, "finished": 4, "failure": 2}
     t.ingest([ev("checkpoint_restored", "p:1", step=40, restored_prompt_groups=9, by_status=by_status)], "events")
-    [record] = t.records()
+    [record] = t.snapshot.records
     assert record.restored_by_status == by_status
     assert record.doomed == {"failure": 2}
     assert {e.source for e in record.evidence} == {"log", "events"}
@@ -118,11 +119,11 @@ def test_each_new_start_opens_a_record_and_counts_resumes_only() -> None:
         ],
         "log",
     )
-    states = [r.warmup_state for r in t.records()]
+    states = [r.warmup_state for r in t.snapshot.records]
     assert states == [WarmupState.FRESH_START, WarmupState.SKIPPED_FULL, WarmupState.SKIPPED_OVER_RESTORED]
-    assert t.records()[-1].over_restored == 8
+    assert t.snapshot.records[-1].over_restored == 8
     assert t.snapshot.resumes_total == 2
-    assert t.records()[0].first_step_evictions == {"failure": 0, "stale": 0, "filtered": 0}
+    assert t.snapshot.records[0].first_step_evictions == {"failure": 0, "stale": 0, "filtered": 0}
 
 
 def test_legacy_warmup_line_and_growth_are_detected() -> None:
@@ -136,7 +137,7 @@ def test_legacy_warmup_line_and_growth_are_detected() -> None:
         ],
         "log",
     )
-    record = t.records()[-1]
+    record = t.snapshot.records[-1]
     assert record.warmup_state is WarmupState.LEGACY_UNCONDITIONAL
     assert (record.submitted, record.expected, record.semantics) == (12, 0, "verl-0.9.0")
     # Growth by exactly T between two resumes with no 0.9.1 warmup line is the same signature.
@@ -148,7 +149,7 @@ def test_legacy_warmup_line_and_growth_are_detected() -> None:
         ],
         "log",
     )
-    assert t.records()[-1].warmup_state is WarmupState.LEGACY_UNCONDITIONAL
+    assert t.snapshot.records[-1].warmup_state is WarmupState.LEGACY_UNCONDITIONAL
 
 
 def test_silent_decisions_come_from_the_config() -> None:
@@ -161,12 +162,12 @@ def test_silent_decisions_come_from_the_config() -> None:
         ],
         "log",
     )
-    assert t.records()[-1].warmup_state is WarmupState.DISABLED
-    assert t.records()[-1].expected == 0
+    assert t.snapshot.records[-1].warmup_state is WarmupState.DISABLED
+    assert t.snapshot.records[-1].expected == 0
     t2 = tracker()
     t2.ingest([run_started(mode="sync"), ev("training_started", "a", resumed_from_step=5)], "log")
-    assert t2.records()[-1].warmup_state is WarmupState.SYNC_MODE
-    assert t2.records()[-1].restored == 0
+    assert t2.snapshot.records[-1].warmup_state is WarmupState.SYNC_MODE
+    assert t2.snapshot.records[-1].restored == 0
 
 
 def test_restart_replays_state_and_ignores_repeated_ids(tmp_path: Path) -> None:
@@ -182,19 +183,19 @@ def test_restart_replays_state_and_ignores_repeated_ids(tmp_path: Path) -> None:
     t.reject("malformed_json")
     t.register_source("log", stale_after=30)
     t.source_error("log", "malformed_line", 2)
-    before = t.records()
+    before = list(t.snapshot.records)
 
     again = tracker(tmp_path)
     assert again.replay() == 2
-    assert again.records() == before
+    assert list(again.snapshot.records) == before
     assert again.cursor("log:/x") == {"offset": 120}
     counters = again.snapshot.counters
-    assert counters["tqmon_events_rejected_total"] == {("malformed_json",): 1}
-    assert counters["tqmon_log_lines_total"] == {("event",): 2, ("ignored",): 5}
-    assert counters["tqmon_source_errors_total"] == {("log", "malformed_line"): 2}
+    assert counters[Tally.EVENTS_REJECTED] == {("malformed_json",): 1}
+    assert counters[Tally.LOG_LINES] == {("event",): 2, ("ignored",): 5}
+    assert counters[Tally.SOURCE_ERRORS] == {("log", "malformed_line"): 2}
     assert again.ingest(events, "log") == (0, 2)
     assert again.snapshot.resumes_total == 1
-    assert again.snapshot.counters["tqmon_events_total"][("log", "duplicate")] == 2
+    assert again.snapshot.counters[Tally.EVENTS][("log", "duplicate")] == 2
 
 
 def test_window_status_and_readiness_follow_the_clock() -> None:
@@ -224,7 +225,7 @@ def test_a_logged_target_wins_over_a_config_the_start_did_not_run_with() -> None
         ],
         "log",
     )
-    [record] = t.records()
+    [record] = t.snapshot.records
     assert (record.target, record.expected, record.submitted, record.over_restored) == (8, 3, 3, 0)
     assert record.warmup_state is WarmupState.TOPPED_UP
     assert t.snapshot.target_window == 8

@@ -13,12 +13,12 @@ import pytest
 
 from tests.conftest import TqmonProcess, free_port
 from tqmon.composition import compose
-from tqmon.events import Event, TrainerConfig, WarmupDecided, parse_event
+from tqmon.events import Event, WarmupDecided, parse_event
 from tqmon.integrations.poster import EventPoster
 from tqmon.integrations.resume import StartReporter
 from tqmon.store import StateStore
 from tqmon.tracker import Tracker
-from tqmon.warmup import WarmupState, is_legacy_version
+from tqmon.warmup import TrainerConfig, WarmupState, is_legacy_version
 
 CONFIG = {"train_batch_size": 4, "num_warmup_batches": 2}  # T = 8
 
@@ -180,7 +180,7 @@ def test_one_start_reported_by_the_log_and_the_plugin_is_one_record(log_first: b
     first, second = (LOG, PLUGIN) if log_first else (PLUGIN, LOG)
     t.ingest(first, "log" if log_first else "events")
     t.ingest(second, "events" if log_first else "log")
-    [record] = t.records()
+    [record] = t.snapshot.records
     assert (record.restored, record.reissued, record.target, record.submitted) == (6, 2, 8, 2)
     assert record.restored_by_status == {"pending": 0, "running": 2, "finished": 3, "failure": 1}
     assert record.warmup_state is WarmupState.TOPPED_UP
@@ -191,7 +191,7 @@ def test_a_second_start_from_the_same_door_is_a_new_record() -> None:
     t = Tracker(StateStore(None))
     t.ingest(LOG, "log")
     t.ingest([ev(e.type, e.id + "b", **e.model_dump(exclude={"id", "type", "time"})) for e in LOG], "log")
-    assert [r.checkpoint_step for r in t.records()] == [10, 10]
+    assert [r.checkpoint_step for r in t.snapshot.records] == [10, 10]
 
 
 # ---------------------------------------------------------------- which semantics
@@ -214,7 +214,7 @@ def test_run_started_verl_version_names_the_semantics(version: str, semantics: s
         ev("warmup_decided", "w", restored_prompt_groups=0, submitted_prompt_groups=8),
     ]
     t.ingest([run, *fresh], "events")
-    [record] = t.records()
+    [record] = t.snapshot.records
     assert (record.semantics, record.warmup_state) == (semantics, WarmupState.FRESH_START)
 
 
@@ -222,7 +222,7 @@ def test_the_legacy_log_line_means_0_9_0_whatever_the_version_says() -> None:
     t = Tracker(StateStore(None))
     run = ev("run_started", "run", run_id="r", trainer_mode="colocate_async", verl_version="0.9.1", config=CONFIG)
     t.ingest([run, *LOG[:3], ev("warmup_decided", "log:5", legacy_warmup_batches=2)], "log")
-    [record] = t.records()
+    [record] = t.snapshot.records
     assert (record.semantics, record.submitted, record.warmup_state) == (
         "verl-0.9.0",
         8,

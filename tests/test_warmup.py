@@ -26,7 +26,7 @@ from tqmon.warmup import (
 def cfg(**overrides: object) -> WarmupConfig:
     """verl's CPU-test trainer: colocate_async, train_batch_size 4, num_warmup_batches 3 (T = 12)."""
     base: dict[str, object] = {"trainer_mode": "colocate_async", "train_batch_size": 4, "num_warmup_batches": 3}
-    return WarmupConfig(**(base | overrides))  # type: ignore[arg-type]
+    return WarmupConfig(**(base | overrides))
 
 
 # (case, config overrides, restored R, resumed, expected T, submitted M, over O, state, logged)

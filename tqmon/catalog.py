@@ -9,7 +9,8 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
-from tqmon.warmup import DOOM_REASONS, PROMPT_STATUSES, WarmupState
+from tqmon.snapshot import SourceName
+from tqmon.warmup import DOOM_REASONS, PARTITIONS, PROMPT_STATUSES, WarmupState
 
 
 class MetricType(enum.StrEnum):
@@ -18,6 +19,15 @@ class MetricType(enum.StrEnum):
     GAUGEHISTOGRAM = "gaugehistogram"
     STATESET = "stateset"  # exposed as a 0/1 gauge per state, like kube-state-metrics' phases
     INFO = "info"
+
+
+class Stability(enum.StrEnum):
+    """A metric's promise, as kube-state-metrics states it: a stable name, labels and meaning change only
+    with a deprecation first; an experimental one may change in any release."""
+
+    STABLE = "stable"
+    EXPERIMENTAL = "experimental"
+    DEPRECATED = "deprecated"
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,6 +46,7 @@ class MetricSpec:
     help: str
     unit: str = ""
     labels: tuple[Label, ...] = ()
+    stability: Stability = Stability.STABLE
 
     @property
     def label_names(self) -> tuple[str, ...]:
@@ -49,8 +60,7 @@ class MetricSpec:
         return self.labels[-1]
 
 
-SOURCES = ("tq", "checkpoint", "log", "jsonl", "events")
-PARTITIONS = ("train", "val")
+SOURCES = tuple(source.value for source in SourceName)
 WINDOW_STATUSES = ("ok", "under_filled", "over_filled", "unknown")
 TRAINER_MODES = ("colocate_async", "separate_async", "sync", "unknown")
 REJECT_REASONS = (
@@ -67,6 +77,7 @@ STATE_WRITE_FAILURE_REASONS = ("read_only", "no_space", "missing", "io_error")
 SOURCE_ERROR_REASONS = ("read_error", "malformed_line", "timeout", "unavailable", "invalid_data")
 EVENT_OUTCOMES = ("applied", "duplicate")
 LOG_LINE_OUTCOMES = ("event", "ignored", "malformed")
+OTLP_SIGNALS = ("metrics", "logs")
 AGE_BUCKETS = (0.0, 1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0)
 
 PARTITION = Label("partition", PARTITIONS, "TransferQueue partition: `train` or `val`.")
@@ -117,6 +128,7 @@ CATALOG: tuple[MetricSpec, ...] = (
         MetricType.GAUGEHISTOGRAM,
         "Trainer step minus the tag global_steps of the live training prompt groups.",
         "steps",
+        stability=Stability.EXPERIMENTAL,
     ),
     MetricSpec(
         "tqmon_window_status",
@@ -241,18 +253,21 @@ CATALOG: tuple[MetricSpec, ...] = (
         MetricType.GAUGE,
         "Poll interval in force: the fast end after a resume, else the steady one; longer if --tq-budget needs.",
         "seconds",
+        stability=Stability.EXPERIMENTAL,
     ),
     MetricSpec(
         "tqmon_tq_controller_busy_ratio",
         MetricType.GAUGE,
         "Estimated share of the TQ controller's request thread taken by tqmon's kv_list polls (cost / period).",
         "ratio",
+        stability=Stability.EXPERIMENTAL,
     ),
     MetricSpec(
         "tqmon_tq_reply_keys",
         MetricType.GAUGE,
         "Keys in the last kv_list reply, all partitions (absent while the controller is unreachable).",
         "keys",
+        stability=Stability.EXPERIMENTAL,
     ),
     MetricSpec(
         "tqmon_tq_controller_epochs_total",
@@ -362,6 +377,19 @@ CATALOG: tuple[MetricSpec, ...] = (
         "State dir writes refused, by reason; counted in memory since the disk is what failed.",
         "",
         (Label("reason", STATE_WRITE_FAILURE_REASONS, "read_only, no_space, missing or io_error."),),
+    ),
+    # OTLP push (only with --otlp-endpoint).
+    MetricSpec(
+        "tqmon_otlp_export_failures_total",
+        MetricType.COUNTER,
+        "OTLP exports that failed after the SDK's retries (Collector down, slow or answering an error), by signal.",
+        "",
+        (Label("signal", OTLP_SIGNALS, "OTLP signal: `metrics` or `logs`."),),
+    ),
+    MetricSpec(
+        "tqmon_otlp_log_records_dropped_total",
+        MetricType.COUNTER,
+        "Resume log records dropped undelivered because the bounded OTLP log queue was full.",
     ),
 )
 

@@ -2,44 +2,104 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager
-from dataclasses import dataclass, fields
+from dataclasses import Field, dataclass, fields, is_dataclass, replace
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, Literal, TypeVar, get_args, get_origin, get_type_hints
 
 import click
 from pydantic import ValidationError
+from pydantic.fields import FieldInfo
 
 from tqmon import __version__
-from tqmon.events import TrainerConfig
-from tqmon.retention import RetentionPolicy
 from tqmon.rules import RuleConfig
 from tqmon.server import serve_forever
-from tqmon.service import ServiceConfig
+from tqmon.service import LISTEN_DEFAULT, ConfigError, ServiceConfig, StartupError
 from tqmon.sim.cli import sim
 from tqmon.sim.scenarios import SCENARIOS
-from tqmon.sources.tq import PollBudget
-from tqmon.warmup import OFF_POLICY_STRATEGIES, TRAINER_MODES
+from tqmon.warmup import TRAINER_MODES, GivenConfig, TrainerConfig, verl_setting
 
-LISTEN_DEFAULT = "127.0.0.1:9842"
 FC = TypeVar("FC", bound=Callable[..., Any])
+T = TypeVar("T")
+
+
+class SettingError(click.ClickException):
+    """A flag that cannot work: one line ``Error: ...`` (no usage block), exit status 2 like click's own."""
+
+    exit_code = 2
 
 
 def parse_listen(value: str) -> tuple[str, int]:
     """``HOST:PORT`` or ``[IPv6]:PORT``."""
-    host, sep, port = value.rpartition(":")
-    if not sep or not port.isdigit() or not 0 < int(port) < 65536 or not host:
-        raise click.BadParameter(f"expected HOST:PORT (e.g. {LISTEN_DEFAULT}), got {value!r}")
-    return host.strip("[]"), int(port)
+    try:
+        return ServiceConfig(listen=value).address
+    except ConfigError as err:
+        raise click.BadParameter(str(err)) from None
 
 
 def option(*decls: str, env: str, **kwargs: Any) -> Callable[[FC], FC]:
     """A click option that is also the environment variable ``TQMON_<env>``."""
     return click.option(*decls, envvar=f"TQMON_{env}", show_envvar=True, **kwargs)
+
+
+def settings_options(cls: type, env_prefix: str = "") -> Callable[[FC], FC]:
+    """One option per field of the settings dataclass ``cls`` that carries a help, with its default; each is
+    also ``TQMON_<env_prefix><FIELD>``. A field holding a nested settings dataclass adds its fields
+    prefixed with the field's name (``tq`` -> ``--tq-budget``)."""
+
+    def decorate(func: FC) -> FC:
+        for name, spec, hint in reversed(list(settings_fields(cls))):
+            many = get_origin(hint) is tuple
+            kinds = [arg for arg in (hint, *get_args(hint)) if arg is not type(None)]
+            kwargs: dict[str, Any] = {"multiple": many, "metavar": spec.metadata.get("metavar")}
+            if hint is bool:
+                kwargs = {"is_flag": True}  # off unless given
+            elif get_origin(hint) is Literal:
+                kwargs["type"] = click.Choice(get_args(hint))
+            elif Path in kinds:
+                kwargs["type"] = click.Path(path_type=Path)  # ServiceConfig.validate says what is wrong, in one line
+            else:
+                kwargs["type"] = str if many else next(k for k in kinds if isinstance(k, type))
+            if spec.default not in (None, (), False):
+                kwargs["show_default"] = True
+            func = option(
+                "--" + name.replace("_", "-"),
+                name,
+                default=spec.default,
+                help=spec.metadata["help"],
+                env=env_prefix + name.upper(),
+                **kwargs,
+            )(func)
+        return func
+
+    return decorate
+
+
+def settings_fields(cls: type, prefix: str = "") -> Iterator[tuple[str, Field[Any], Any]]:
+    """(flag name, field, type) of every field of ``cls`` that is a flag, nested settings flattened."""
+    hints = get_type_hints(cls)
+    for spec in fields(cls):
+        if is_dataclass(hints[spec.name]):
+            yield from settings_fields(hints[spec.name], f"{prefix}{spec.name}_")
+        elif "help" in spec.metadata:
+            yield prefix + spec.name, spec, hints[spec.name]
+
+
+def from_flags(cls: type[T], flags: dict[str, Any], prefix: str = "") -> T:
+    """The settings dataclass ``cls`` from the values of its ``settings_options``."""
+    hints = get_type_hints(cls)
+    values: dict[str, Any] = {}
+    for spec in fields(cls):  # type: ignore[arg-type]
+        if is_dataclass(hints[spec.name]):
+            values[spec.name] = from_flags(hints[spec.name], flags, f"{prefix}{spec.name}_")
+        elif "help" in spec.metadata:
+            values[spec.name] = flags[prefix + spec.name]
+    return cls(**values)
 
 
 def _threshold(ctx: click.Context, param: click.Parameter, value: str | None) -> int | None:
@@ -52,67 +112,67 @@ def _threshold(ctx: click.Context, param: click.Parameter, value: str | None) ->
     return int(text)
 
 
+def _setting_option(name: str, spec: FieldInfo) -> Callable[[FC], FC]:
+    """The flag of one :class:`TrainerConfig` field: its help and default from the declaration.
+
+    A required setting has no default here: the trainer config is optional, and ``TrainerFlags`` says
+    which flag is missing.
+    """
+    kwargs: dict[str, Any] = {"help": verl_setting(name).help, "env": name.upper()}
+    args = get_args(spec.annotation)
+    if spec.annotation is bool:
+        kwargs["is_flag"] = True
+    elif args and all(isinstance(arg, str) for arg in args):  # a Literal
+        kwargs |= {"type": click.Choice(sorted(args)), "default": spec.default, "show_default": True}
+    elif spec.annotation == int | None and spec.default is not None:  # a number or null
+        kwargs |= {"metavar": "INT|null", "callback": _threshold, "default": str(spec.default), "show_default": True}
+    else:
+        number = next(arg for arg in (spec.annotation, *args) if arg in (int, float))
+        positive = any(getattr(item, "gt", None) == 0 for item in spec.metadata)
+        kwargs |= {"type": click.IntRange(min=1) if number is int and positive else number, "default": None}
+    return option("--" + name.replace("_", "-"), **kwargs)
+
+
 @dataclass(frozen=True)
 class TrainerFlags:
     """The verl settings given on the command line (the same knobs as a ``run_started`` event's config)."""
 
     trainer_mode: str
-    train_batch_size: int | None
-    gen_batch_size: int | None
-    num_warmup_batches: float | None
-    max_off_policy_threshold: int | None
-    max_off_policy_strategy: str
-    skip_rollout_tq: bool
-    filter_groups: bool
     trainer_config: Path | None
+    settings: dict[str, Any]  # TrainerConfig's fields, as the flags gave them
 
     @property
     def missing(self) -> list[str]:
-        """The flags without which T cannot be computed."""
+        """The flags without which T cannot be computed (the settings without a default)."""
         return [
-            flag
-            for flag, value in (
-                ("--train-batch-size", self.train_batch_size),
-                ("--num-warmup-batches", self.num_warmup_batches),
-            )
-            if value is None
+            "--" + name.replace("_", "-")
+            for name, spec in TrainerConfig.model_fields.items()
+            if spec.is_required() and self.settings[name] is None
         ]
 
-    def config(self) -> TrainerConfig | None:
-        """The trainer config, or None while a flag it needs is missing."""
-        if self.missing:
-            return None
-        try:
-            return TrainerConfig(
-                train_batch_size=self.train_batch_size,
-                gen_batch_size=self.gen_batch_size,
-                num_warmup_batches=self.num_warmup_batches,
-                skip_rollout_tq=self.skip_rollout_tq,
-                max_off_policy_threshold=self.max_off_policy_threshold,
-                max_off_policy_strategy=self.max_off_policy_strategy,
-                filter_groups=self.filter_groups,
-            )
-        except ValidationError as err:
-            raise click.UsageError(f"invalid trainer config: {err}") from None
-
-    def resolve(self) -> tuple[str, TrainerConfig, str] | None:
-        """``(trainer_mode, config, where it came from)`` from the Hydra file or the flags; None if neither."""
+    def resolve(self) -> GivenConfig | None:
+        """The trainer config from the Hydra file or the flags; None if neither gives one."""
         if self.trainer_config is not None:
-            if len(self.missing) < 2:
-                raise click.UsageError("give either --trainer-config or --train-batch-size/--num-warmup-batches")
+            if len(self.missing) < len(REQUIRED_SETTINGS):
+                flags = "/".join("--" + name.replace("_", "-") for name in REQUIRED_SETTINGS)
+                raise click.UsageError(f"give either --trainer-config or {flags}")
             from tqmon.hydra_config import HydraConfigError, load_trainer_config
 
             try:
-                mode, from_file = load_trainer_config(self.trainer_config)
+                return load_trainer_config(self.trainer_config)
             except HydraConfigError as err:
-                raise click.BadParameter(str(err), param_hint="--trainer-config") from None
-            return mode, from_file, f"file:{self.trainer_config}"
-        if len(self.missing) == 1:
+                raise SettingError(f"--trainer-config: {err}") from None
+        if len(self.missing) == len(REQUIRED_SETTINGS):
+            return None
+        if self.missing:
             raise click.UsageError(f"the trainer config also needs {self.missing[0]}")
-        from_flags = self.config()
-        return None if from_flags is None else (self.trainer_mode, from_flags, "flags")
+        try:
+            return GivenConfig(self.trainer_mode, TrainerConfig(**self.settings), "flags")
+        except ValidationError as err:
+            raise click.UsageError(f"invalid trainer config: {err}") from None
 
 
+REQUIRED_SETTINGS = tuple(name for name, spec in TrainerConfig.model_fields.items() if spec.is_required())
 _TRAINER_OPTIONS = (
     option(
         "--trainer-mode",
@@ -122,48 +182,7 @@ _TRAINER_OPTIONS = (
         help="trainer.v1.trainer_mode.",
         env="TRAINER_MODE",
     ),
-    option(
-        "--train-batch-size",
-        type=click.IntRange(min=1),
-        default=None,
-        help="data.train_batch_size (B); needed for T.",
-        env="TRAIN_BATCH_SIZE",
-    ),
-    option(
-        "--gen-batch-size",
-        type=click.IntRange(min=1),
-        default=None,
-        help="data.gen_batch_size (the async modes and DAPO force 1).",
-        env="GEN_BATCH_SIZE",
-    ),
-    option(
-        "--num-warmup-batches",
-        type=float,
-        default=None,
-        help="trainer.v1.<mode>.num_warmup_batches (may be fractional); needed for T.",
-        env="NUM_WARMUP_BATCHES",
-    ),
-    option(
-        "--max-off-policy-threshold",
-        metavar="INT|null",
-        callback=_threshold,
-        default="8",
-        show_default=True,
-        help="trainer.v1.sampler.max_off_policy_threshold, or 'null'.",
-        env="MAX_OFF_POLICY_THRESHOLD",
-    ),
-    option(
-        "--max-off-policy-strategy",
-        type=click.Choice(sorted(OFF_POLICY_STRATEGIES)),
-        default="drop",
-        show_default=True,
-        help="trainer.v1.sampler.max_off_policy_strategy (only 'drop' evicts stale groups).",
-        env="MAX_OFF_POLICY_STRATEGY",
-    ),
-    option(
-        "--skip-rollout-tq", is_flag=True, help="skip.rollout_tq.enable (disables the warmup).", env="SKIP_ROLLOUT_TQ"
-    ),
-    option("--filter-groups", is_flag=True, help="algorithm.filter_groups.enable (DAPO).", env="FILTER_GROUPS"),
+    *(_setting_option(name, spec) for name, spec in TrainerConfig.model_fields.items()),
     option(
         "--trainer-config",
         type=click.Path(exists=True, dir_okay=False, path_type=Path),
@@ -172,7 +191,6 @@ _TRAINER_OPTIONS = (
         env="TRAINER_CONFIG",
     ),
 )
-_TRAINER_PARAMS = tuple(f.name for f in fields(TrainerFlags))
 
 
 def trainer_config_options(func: Callable[..., Any]) -> Callable[..., Any]:
@@ -180,7 +198,8 @@ def trainer_config_options(func: Callable[..., Any]) -> Callable[..., Any]:
 
     @functools.wraps(func)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
-        flags = TrainerFlags(**{name: kwargs.pop(name) for name in _TRAINER_PARAMS})
+        settings = {name: kwargs.pop(name) for name in TrainerConfig.model_fields}
+        flags = TrainerFlags(kwargs.pop("trainer_mode"), kwargs.pop("trainer_config"), settings)
         return func(*args, trainer=flags, **kwargs)
 
     command: Callable[..., Any] = wrapper
@@ -204,220 +223,22 @@ def main() -> None:
 
 
 @main.command()
-@option("--listen", default=LISTEN_DEFAULT, show_default=True, help="HOST:PORT to serve on.", env="LISTEN")
-@option(
-    "--state-dir",
-    type=click.Path(file_okay=False, path_type=Path),
-    default=Path("tqmon-state"),
-    show_default=True,
-    help="Directory for the SQLite state (resume history, counters, log offsets); survives restarts.",
-    env="STATE_DIR",
-)
-@option(
-    "--log",
-    "logs",
-    multiple=True,
-    metavar="PATH",
-    help="verl trainer log to follow like tail -F (repeatable, globs allowed; the env var is space-separated).",
-    env="LOG",
-)
-@option(
-    "--jsonl",
-    "jsonl",
-    multiple=True,
-    metavar="PATH",
-    help="verl's file-logger metrics (trainer.logger=[...,file], VERL_FILE_LOGGER_PATH): step times, generation "
-    "wait and evictions by reason. Truncated by verl on every restart; repeatable, globs allowed.",
-    env="JSONL",
-)
-@option(
-    "--log-interval",
-    type=float,
-    default=1.0,
-    show_default=True,
-    help="Seconds between polls of the --log and --jsonl files.",
-    env="LOG_INTERVAL",
-)
-@option(
-    "--token",
-    default=None,
-    help="Bearer token the event API requires; mandatory when --listen is not a loopback address.",
-    env="TOKEN",
-)
-@option(
-    "--stale-after",
-    type=float,
-    default=300.0,
-    show_default=True,
-    help="Seconds after which a source's live data is dropped from /metrics and the source reads down.",
-    env="STALE_AFTER",
-)
-@option(
-    "--max-body-bytes",
-    type=int,
-    default=1 << 20,
-    show_default=True,
-    help="Largest event API body accepted.",
-    env="MAX_BODY_BYTES",
-)
-@option(
-    "--log-level",
-    type=click.Choice(["debug", "info", "warning", "error"]),
-    default="info",
-    show_default=True,
-    help="tqmon's own logging.",
-    env="LOG_LEVEL",
-)
-@option(
-    "--checkpoint-dir",
-    type=click.Path(file_okay=False, path_type=Path),
-    default=None,
-    help="verl's trainer.default_local_dir: predict the next resume from its latest TransferQueue checkpoint "
-    "(read-only).",
-    env="CHECKPOINT_DIR",
-)
-@option(
-    "--checkpoint-interval",
-    type=float,
-    default=10.0,
-    show_default=True,
-    help="Seconds between checkpoint dir polls.",
-    env="CHECKPOINT_INTERVAL",
-)
-@option(
-    "--ray-address",
-    default=None,
-    metavar="ADDR|auto",
-    help="Watch the live TransferQueue of the Ray cluster at ADDR (GCS host:port; 'auto' = the local cluster). "
-    "Read-only: tqmon never calls tq.init/tq.close and creates nothing in the cluster. Default: off.",
-    env="RAY_ADDRESS",
-)
-@option(
-    "--tq-timeout",
-    type=float,
-    default=5.0,
-    show_default=True,
-    help="Hard timeout of every call to Ray and the TQ controller; a lost controller reads down within it.",
-    env="TQ_TIMEOUT",
-)
-@option(
-    "--tq-budget",
-    type=float,
-    default=0.01,
-    show_default=True,
-    help="Largest share of the TQ controller's request thread tqmon's kv_list polls may take (0.01 = 1%%); "
-    "wins over --tq-max-interval.",
-    env="TQ_BUDGET",
-)
-@option(
-    "--tq-min-interval",
-    type=float,
-    default=1.0,
-    show_default=True,
-    help="Fastest poll interval, used for --tq-fast-period seconds after a resume or a new controller.",
-    env="TQ_MIN_INTERVAL",
-)
-@option(
-    "--tq-max-interval",
-    type=float,
-    default=15.0,
-    show_default=True,
-    help="Steady poll interval, unless the budget needs longer.",
-    env="TQ_MAX_INTERVAL",
-)
-@option(
-    "--tq-fast-period",
-    type=float,
-    default=300.0,
-    show_default=True,
-    help="Seconds of fast polling after a resume is detected (when the window matters most).",
-    env="TQ_FAST_PERIOD",
-)
-@option(
-    "--recover",
-    is_flag=True,
-    help="If the state file is corrupt or not tqmon's, move it aside (timestamped) and start empty, re-reading "
-    "the sources; without it tqmon refuses to start. See docs/reliability.md.",
-    env="RECOVER",
-)
-@option(
-    "--retain-records",
-    type=int,
-    default=1000,
-    show_default=True,
-    help="Resume records kept in the state dir (with the events behind them); older ones are pruned.",
-    env="RETAIN_RECORDS",
-)
-@option(
-    "--retain-days",
-    type=float,
-    default=365.0,
-    show_default=True,
-    help="Resume records older than this are pruned too (the latest start is always kept).",
-    env="RETAIN_DAYS",
-)
-@option(
-    "--retain-min-age",
-    type=float,
-    default=3600.0,
-    show_default=True,
-    help="Seconds an event is kept whatever retention says: a post retried within it is still a duplicate.",
-    env="RETAIN_MIN_AGE",
-)
+@settings_options(ServiceConfig)
 @trainer_config_options
-def serve(
-    listen: str,
-    state_dir: Path,
-    logs: tuple[str, ...],
-    jsonl: tuple[str, ...],
-    log_interval: float,
-    token: str | None,
-    stale_after: float,
-    max_body_bytes: int,
-    log_level: str,
-    checkpoint_dir: Path | None,
-    checkpoint_interval: float,
-    ray_address: str | None,
-    tq_timeout: float,
-    tq_budget: float,
-    tq_min_interval: float,
-    tq_max_interval: float,
-    tq_fast_period: float,
-    recover: bool,
-    retain_records: int,
-    retain_days: float,
-    retain_min_age: float,
-    trainer: TrainerFlags,
-) -> None:
+def serve(trainer: TrainerFlags, **flags: Any) -> None:
     """Serve /metrics, /api/v1/status and the trainer event API (POST /api/v1/events).
 
     Sources: trainer logs (--log), verl's JSONL metrics (--jsonl), the checkpoint dir (--checkpoint-dir),
     the live TransferQueue (--ray-address) and events the trainer posts. The trainer config is optional:
     --trainer-config or both --train-batch-size and --num-warmup-batches; a run_started event overrides either.
     """
-    host, port = parse_listen(listen)
-    config = ServiceConfig(
-        host=host,
-        port=port,
-        state_dir=state_dir,
-        log_patterns=tuple(p for item in logs for p in item.split()),
-        jsonl_patterns=tuple(p for item in jsonl for p in item.split()),
-        log_interval=log_interval,
-        token=token or None,
-        stale_after=stale_after,
-        max_body_bytes=max_body_bytes,
-        checkpoint_dir=checkpoint_dir,
-        checkpoint_interval=checkpoint_interval,
-        trainer=trainer.resolve(),
-        ray_address=ray_address,
-        tq_timeout=tq_timeout,
-        tq_budget=PollBudget(
-            budget=tq_budget, min_interval=tq_min_interval, max_interval=tq_max_interval, fast_period=tq_fast_period
-        ),
-        recover=recover,
-        retention=RetentionPolicy(records=retain_records, days=retain_days, min_age=retain_min_age),
-    )
-    serve_forever(config, log_level)
+    config = replace(from_flags(ServiceConfig, flags), trainer=trainer.resolve())
+    try:
+        serve_forever(config)
+    except ConfigError as err:
+        raise SettingError(str(err)) from None
+    except StartupError as err:
+        raise click.ClickException(str(err)) from None
 
 
 @main.command()
@@ -426,14 +247,15 @@ def serve(
 def analyze(logs: tuple[str, ...], as_json: bool) -> None:
     """Print the resume records and verdicts found in finished verl logs (read in the order given)."""
     from tqmon.report import table
+    from tqmon.snapshot import SourceName
     from tqmon.sources.logfile import ingest_file
     from tqmon.store import StateStore
     from tqmon.tracker import Tracker
 
     tracker = Tracker(StateStore(None))
-    tracker.register_source("log", stale_after=None)
+    tracker.register_source(SourceName.LOG, stale_after=None)
     malformed = sum(ingest_file(path, tracker) for path in logs)
-    records = tracker.records()
+    records = tracker.snapshot.records
     if as_json:
         click.echo(json.dumps({"records": [r.to_json() for r in records], "malformed_lines": malformed}, indent=2))
         return
@@ -460,20 +282,71 @@ def inspect_checkpoint(checkpoint_dir: Path, step: int | None, as_json: bool, tr
     """Preflight a resume: what restoring CHECKPOINT_DIR's TransferQueue state will do.
 
     CHECKPOINT_DIR is verl's trainer.default_local_dir (its latest checkpoint), a global_step_N dir or
-    its transfer_queue dir. Prints R by status and age, K, the doomed groups, the orphan trajectories and,
-    with --train-batch-size and --num-warmup-batches, T, M, O and the under-submission. Reads only.
+    its transfer_queue dir (a run dir gets the checkpoint dirs below it suggested). Prints R by status and age,
+    K, the doomed groups, the orphan trajectories and, with --trainer-config (or --train-batch-size and
+    --num-warmup-batches), T, M, O and the under-submission. Reads only.
     """
-    from tqmon.sources.checkpoint import CheckpointError, preflight, read_checkpoint, render, resolve
+    from tqmon.checkpoint.layout import NoCheckpointYet, latest_step, read_checkpoint, resolve
+    from tqmon.checkpoint.preflight import preflight, render
+    from tqmon.checkpoint.unpickler import CheckpointError
 
     root, resolved = resolve(checkpoint_dir)
-    resolved_config = trainer.resolve()
+    given = trainer.resolve()
+    if trainer.trainer_config is not None:
+        _warn_if_elsewhere(trainer.trainer_config, root)
+    chosen_by = f"--step {step}" if step is not None else None if resolved is None else f"the path {checkpoint_dir}"
     try:
         reading = read_checkpoint(root, step if step is not None else resolved, progress=_progressbar)
+    except NoCheckpointYet:
+        raise click.ClickException(_not_a_checkpoint_dir(root)) from None
     except CheckpointError as err:
         raise click.ClickException(str(err)) from None
-    warmup = None if resolved_config is None else resolved_config[1].warmup_config(resolved_config[0])
-    result = preflight(reading, warmup)
+    latest = None
+    if chosen_by is not None:
+        with contextlib.suppress(CheckpointError):  # no or a broken latest file: verl would not pick a step
+            latest = latest_step(root)
+    warmup = None if given is None else given.warmup
+    result = preflight(reading, warmup, chosen_by=chosen_by, latest=latest)
     click.echo(json.dumps(result.to_json(), indent=2) if as_json else render(result))
+
+
+def _not_a_checkpoint_dir(root: Path) -> str:
+    """What ``tqmon inspect`` expected of a dir without a checkpoint, and the path the user probably meant."""
+    from tqmon.checkpoint.layout import LATEST_FILE, checkpoint_dirs_below, saved_steps
+
+    missing = f"{root} has no {LATEST_FILE}"
+    candidates = checkpoint_dirs_below(root)
+    if candidates:
+        return f"{missing}; did you mean {' or '.join(map(str, candidates))}?"
+    steps = saved_steps(root)
+    if steps:
+        return f"{missing}, but holds global_step_{steps[-1]}: inspect it with --step {steps[-1]}"
+    return (
+        f"{missing} and no global_step_N dir: expected verl's trainer.default_local_dir (the dir of {LATEST_FILE} "
+        "and global_step_N/), a global_step_N dir or its transfer_queue dir; no checkpoint saved yet?"
+    )
+
+
+def _warn_if_elsewhere(config_path: Path, root: Path) -> None:
+    """Warn when the trainer config saves its checkpoints somewhere else than the dir inspected."""
+    from tqmon.hydra_config import read_setting
+
+    saved_to = read_setting(config_path, "trainer.default_local_dir")
+    if not isinstance(saved_to, str) or not saved_to:
+        return
+    configured, inspected = Path(saved_to), root.resolve()
+    # A relative default_local_dir is relative to the trainer's working dir, which the config does not record.
+    same = (
+        configured.resolve() == inspected
+        if configured.is_absolute()
+        else inspected.parts[-len(configured.parts) :] == configured.parts
+    )
+    if not same:
+        click.echo(
+            f"warning: {config_path} saves checkpoints to trainer.default_local_dir={saved_to}, "
+            f"not to {root}: is it the config of this run?",
+            err=True,
+        )
 
 
 @main.command()
@@ -543,23 +416,6 @@ def demo(
     )
 
 
-def rule_options(func: Callable[..., Any]) -> Callable[..., Any]:
-    """One option per ``RuleConfig`` field, with its help and default; each also ``TQMON_RULES_<FIELD>``."""
-    for spec in reversed(fields(RuleConfig)):
-        many = isinstance(spec.default, tuple)
-        func = option(
-            "--" + spec.name.replace("_", "-"),
-            spec.name,
-            type=str if many else type(spec.default),
-            multiple=many,
-            default=spec.default,
-            show_default=True,
-            help=spec.metadata["help"],
-            env="RULES_" + spec.name.upper(),
-        )(func)
-    return func
-
-
 @main.command("rules")
 @option(
     "--output",
@@ -569,7 +425,7 @@ def rule_options(func: Callable[..., Any]) -> Callable[..., Any]:
     help="Write the rules file here instead of to stdout.",
     env="RULES_OUTPUT",
 )
-@rule_options
+@settings_options(RuleConfig, env_prefix="RULES_")
 def rules_command(output: Path | None, **params: Any) -> None:
     """Prometheus recording and alert rules for your setup (deploy/prometheus/tqmon-rules.yml has the defaults).
 

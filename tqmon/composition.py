@@ -43,7 +43,7 @@ class Composition:
 
     @property
     def by_status(self) -> dict[str, int]:
-        counts = dict.fromkeys(PROMPT_STATUSES, 0)
+        counts: dict[str, int] = dict.fromkeys(PROMPT_STATUSES, 0)
         for (status, _), count in self.groups.items():
             counts[status] += count
         return counts

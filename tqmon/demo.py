@@ -8,6 +8,7 @@ refreshes in the terminal. Ctrl-C (or SIGTERM) stops everything it started, Ray 
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -15,6 +16,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -23,7 +25,6 @@ from types import FrameType
 from typing import Any, TextIO
 
 import click
-import httpx
 
 from tqmon.rules import render as render_rules
 from tqmon.sim.scenarios import CHECKPOINT_DIR, LOG_FILE, SCENARIOS
@@ -210,17 +211,23 @@ def summary(demo: Demo, status: Mapping[str, Any] | None, alerts: list[str] | No
     return "\n".join(lines)
 
 
+def get_json(url: str) -> Any:
+    """GET a loopback JSON API with the standard library (the runtime carries no HTTP client library)."""
+    with urllib.request.urlopen(url, timeout=2) as response:
+        return json.load(response)
+
+
 def poll(demo: Demo) -> tuple[dict[str, Any] | None, list[str] | None, str | None]:
     try:
-        status = httpx.get(demo.url + "/api/v1/status", timeout=2).json()
-    except httpx.HTTPError as err:
+        status = get_json(demo.url + "/api/v1/status")
+    except (OSError, ValueError) as err:  # URLError and timeouts are OSErrors; a garbled body a ValueError
         return None, None, str(err)
     alerts: list[str] | None = None
     if demo.prometheus_url is not None:
         try:
-            body = httpx.get(demo.prometheus_url + "/api/v1/alerts", timeout=2).json()
+            body = get_json(demo.prometheus_url + "/api/v1/alerts")
             alerts = sorted({a["labels"]["alertname"] for a in body["data"]["alerts"] if a["state"] == "firing"})
-        except (httpx.HTTPError, KeyError, ValueError):
+        except (OSError, KeyError, ValueError):
             alerts = None
     return status, alerts, None
 

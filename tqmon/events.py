@@ -6,7 +6,6 @@ idempotent. Sources that derive events (the log tailer) give them deterministic 
 
 from __future__ import annotations
 
-import time
 from collections.abc import Mapping
 from datetime import UTC, datetime
 from typing import Annotated, Any, Literal
@@ -23,8 +22,16 @@ from pydantic import (
     model_validator,
 )
 
-from tqmon.catalog import PARTITIONS, SOURCES
-from tqmon.warmup import DOOM_REASONS, PROMPT_STATUSES, RestoredGroup, WarmupConfig
+from tqmon.warmup import (
+    PROMPT_STATUSES,
+    DoomReason,
+    Partition,
+    PromptStatus,
+    RestoredGroup,
+    SkipReason,
+    TrainerConfig,
+    TrainerMode,
+)
 
 
 def _json_number(value: object) -> object:
@@ -37,12 +44,7 @@ def _json_number(value: object) -> object:
 # Counts and steps are bounded so every value stays exact as a Prometheus float (2**53).
 Count = Annotated[int, BeforeValidator(_json_number), Field(ge=0, le=2**53)]
 EventId = Annotated[str, Field(min_length=1, max_length=200, description="Unique id; a repeated id is applied once.")]
-Status = Literal["pending", "running", "finished", "failure"]
-Partition = Literal["train", "val"]
-SkipReason = Literal["window_full", "sync_mode", "skip_rollout_tq", "non_positive_warmup"]
-
-assert set(PROMPT_STATUSES) == {"pending", "running", "finished", "failure"}
-assert set(PARTITIONS) == {"train", "val"}
+Status = PromptStatus
 
 
 def _type_required(schema: dict[str, Any]) -> None:
@@ -67,29 +69,9 @@ class _Event(BaseModel):
             return value.replace(tzinfo=UTC)
         return value
 
-    def timestamp(self, default: float | None = None) -> float:
-        if self.time is not None:
-            return self.time.timestamp()
-        return time.time() if default is None else default
-
-
-class TrainerConfig(BaseModel):
-    """The verl settings that decide the warmup and the first sample's evictions."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    train_batch_size: int = Field(gt=0, description="data.train_batch_size")
-    gen_batch_size: int | None = Field(None, gt=0, description="data.gen_batch_size (async modes force 1)")
-    num_warmup_batches: float = Field(description="trainer.v1.<mode>.num_warmup_batches (may be fractional)")
-    skip_rollout_tq: bool = Field(False, description="skip.rollout_tq.enable")
-    max_off_policy_threshold: int | None = Field(8, description="trainer.v1.sampler.max_off_policy_threshold")
-    max_off_policy_strategy: Literal["drop", "wait"] = Field(
-        "drop", description="trainer.v1.sampler.max_off_policy_strategy"
-    )
-    filter_groups: bool = Field(False, description="algorithm.filter_groups.enable")
-
-    def warmup_config(self, trainer_mode: str) -> WarmupConfig:
-        return WarmupConfig(trainer_mode=trainer_mode, **self.model_dump())
+    def timestamp(self, default: float) -> float:
+        """When it happened; ``default`` (when it was received) for an event that does not say."""
+        return default if self.time is None else self.time.timestamp()
 
 
 class RunStarted(_Event):
@@ -97,7 +79,7 @@ class RunStarted(_Event):
 
     type: Literal["run_started"] = "run_started"
     run_id: str = Field(min_length=1, max_length=200)
-    trainer_mode: Literal["colocate_async", "separate_async", "sync"]
+    trainer_mode: TrainerMode
     verl_version: str = Field("", max_length=50)
     config: TrainerConfig
 
@@ -115,7 +97,7 @@ def status_counts(by_status: Mapping[Any, int] | None, groups: list[GroupCount] 
     if by_status is not None:
         return {str(status): count for status, count in by_status.items()}
     if groups is not None:
-        counts = dict.fromkeys(PROMPT_STATUSES, 0)
+        counts: dict[str, int] = dict.fromkeys(PROMPT_STATUSES, 0)
         for group in groups:
             counts[group.status] += group.count
         return counts
@@ -189,7 +171,7 @@ class StepCompleted(_Event):
 
     type: Literal["step_completed"] = "step_completed"
     global_step: Count
-    evicted_prompt_groups: dict[Literal["failure", "stale", "filtered"], Count] = Field(default_factory=dict)
+    evicted_prompt_groups: dict[DoomReason, Count] = Field(default_factory=dict)
     generation_wait_seconds: NonNegativeFloat | None = Field(None, description="verl timing_s/gen")
     step_seconds: NonNegativeFloat | None = Field(None, description="verl timing_s/step: the step's duration")
 
@@ -253,9 +235,6 @@ EVENT_TYPES: tuple[type[_Event], ...] = (
 )
 EVENT_TYPE_NAMES = frozenset(cls.model_fields["type"].default for cls in EVENT_TYPES)
 EVENT_ADAPTER: TypeAdapter[Event] = TypeAdapter(Event)
-
-assert set(DOOM_REASONS) == {"failure", "stale", "filtered"}
-assert "events" in SOURCES
 
 
 def describe_validation(err: ValidationError, *, batch: bool = False) -> str:

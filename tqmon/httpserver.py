@@ -15,11 +15,11 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 
 HEAD_TIMEOUT_SECONDS = 10.0  # a request head must arrive whole within this
 BODY_TIMEOUT_SECONDS = 10.0  # an event API body must arrive whole within this (server.py)
+BACKLOG = 1024  # pending accepts the kernel queues while the loop is busy (server.bind listens with it)
 UVICORN_LIMITS: dict[str, Any] = {
     # Connections plus in-flight requests; beyond it uvicorn answers 503 at once instead of queueing.
     # Far above a sidecar's real load (one scraper, one trainer), low enough to bound memory.
     "limit_concurrency": 1024,
-    "backlog": 1024,  # pending accepts the kernel queues while the loop is busy
     "timeout_keep_alive": 5,  # idle keep-alive connections close after this
     "h11_max_incomplete_event_size": 16 * 1024,  # largest request head (h11 answers 400 beyond it)
     "timeout_graceful_shutdown": 5,  # SIGTERM: in-flight requests get this long

@@ -11,8 +11,8 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from tqmon.events import TrainerConfig, describe_validation
-from tqmon.warmup import TRAINER_MODES
+from tqmon.events import describe_validation
+from tqmon.warmup import TRAINER_MODES, GivenConfig, TrainerConfig, verl_setting
 
 _MISSING = object()
 
@@ -21,17 +21,40 @@ class HydraConfigError(ValueError):
     """The file cannot give a trainer config; the message names the file and the key."""
 
 
-def load_trainer_config(path: Path) -> tuple[str, TrainerConfig]:
-    """``(trainer_mode, config)`` from a resolved or unresolved verl config file."""
+def _load(path: Path) -> Any:
+    """The file as an OmegaConf config; a malformed one is one line naming the file and the line."""
+    import yaml
+    from omegaconf import OmegaConf
+
+    try:
+        return OmegaConf.load(path)
+    except OSError as err:
+        raise HydraConfigError(f"{path}: {err.strerror or err}") from None
+    except yaml.MarkedYAMLError as err:
+        mark = err.problem_mark or err.context_mark
+        where = "" if mark is None else f" line {mark.line + 1}, column {mark.column + 1}:"
+        raise HydraConfigError(f"{path}:{where} invalid YAML: {err.problem or err.context}") from None
+    except Exception as err:  # other yaml.YAMLError and OmegaConf's own errors on a malformed file
+        raise HydraConfigError(f"{path}: not a YAML mapping: {' '.join(str(err).split())}") from None
+
+
+def read_setting(path: Path, key: str) -> Any:
+    """One key of the config (interpolations resolved), or None when it is absent or cannot be resolved."""
     from omegaconf import OmegaConf
     from omegaconf.errors import OmegaConfBaseException
 
     try:
-        cfg = OmegaConf.load(path)
-    except OSError as err:
-        raise HydraConfigError(f"{path}: {err.strerror or err}") from None
-    except Exception as err:  # yaml.YAMLError and OmegaConf's own errors on a malformed file
-        raise HydraConfigError(f"{path}: not a YAML mapping: {err}") from None
+        return OmegaConf.select(_load(path), key, default=None)
+    except OmegaConfBaseException:
+        return None
+
+
+def load_trainer_config(path: Path) -> GivenConfig:
+    """The trainer mode and config from a resolved or unresolved verl config file."""
+    from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+
+    cfg = _load(path)
 
     def get(key: str, default: Any = _MISSING) -> Any:
         try:
@@ -47,17 +70,17 @@ def load_trainer_config(path: Path) -> tuple[str, TrainerConfig]:
     mode = get("trainer.v1.trainer_mode")
     if mode not in TRAINER_MODES:
         raise HydraConfigError(f"{path}: trainer.v1.trainer_mode is {mode!r}, not one of {sorted(TRAINER_MODES)}")
-    filter_groups = get("algorithm.filter_groups", None)
+    values: dict[str, Any] = {}
+    for name, spec in TrainerConfig.model_fields.items():
+        key = verl_setting(name).path
+        if "<mode>" in key and mode == "sync":
+            values[name] = 0  # verl has no trainer.v1.sync section: sync mode has no warmup
+            continue
+        default = _MISSING if spec.is_required() else spec.default
+        value = get(key.replace("<mode>", str(mode)), default)
+        values[name] = default if value is None and spec.annotation is bool else value  # an absent section
     try:
-        config = TrainerConfig(
-            train_batch_size=get("data.train_batch_size"),
-            gen_batch_size=get("data.gen_batch_size", None),
-            num_warmup_batches=0 if mode == "sync" else get(f"trainer.v1.{mode}.num_warmup_batches"),
-            skip_rollout_tq=get("skip.rollout_tq.enable", False),
-            max_off_policy_threshold=get("trainer.v1.sampler.max_off_policy_threshold", 8),
-            max_off_policy_strategy=get("trainer.v1.sampler.max_off_policy_strategy", "drop"),
-            filter_groups=bool(filter_groups is not None and get("algorithm.filter_groups.enable", False)),
-        )
+        config = TrainerConfig(**values)
     except ValidationError as err:
         raise HydraConfigError(f"{path}: {describe_validation(err)}") from None
-    return str(mode), config
+    return GivenConfig(str(mode), config, f"file:{path}")

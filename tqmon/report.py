@@ -1,4 +1,4 @@
-"""Human-readable verdicts and tables of resume records (``tqmon analyze``, the demo, the landing page)."""
+"""Human-readable verdicts and tables of resume records (``tqmon analyze``, the demo, the status page)."""
 
 from __future__ import annotations
 

@@ -15,11 +15,12 @@ import os
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+from tqmon.reconcile import KEPT_COMPOSITIONS, STEP_RATE_WINDOW
 from tqmon.snapshot import ResumeRecord
 from tqmon.store import PRUNED_RESUMES, RETRY_SECONDS, StateStore
-from tqmon.tracker import KEPT_COMPOSITIONS, STEP_RATE_WINDOW, Tracker
+from tqmon.tracker import Tracker
 
 INTERVAL_SECONDS = 300.0  # at most; a short --retain-min-age prunes more often
 NEWEST_KEPT = {
@@ -30,11 +31,24 @@ NEWEST_KEPT = {
 log = logging.getLogger(__name__)
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True)
 class RetentionPolicy:
-    records: int = 1000
-    days: float = 365.0
-    min_age: float = 3600.0  # younger events are never pruned: a post retried within it still dedups
+    """How much history the state dir keeps; each field is the ``tqmon serve --retain-<name>`` flag."""
+
+    records: int = field(
+        default=1000,
+        metadata={"help": "Resume records kept in the state dir (with the events behind them); older ones are pruned."},
+    )
+    days: float = field(
+        default=365.0,
+        metadata={"help": "Resume records older than this many days are pruned too (the latest start is always kept)."},
+    )
+    min_age: float = field(
+        default=3600.0,
+        metadata={
+            "help": "Seconds an event is kept whatever retention says: a post retried within it is still a duplicate."
+        },
+    )
 
     def validate(self) -> None:
         if self.records < 1:
@@ -109,7 +123,7 @@ class Retention:
     def prune(self) -> int:
         """One round; returns the number of events deleted."""
         now = self._clock()
-        records = self.tracker.records()
+        records = self.tracker.snapshot.records
         first = first_retained(records, self.policy, now)
         keep = {evidence.event_id for record in records[first:] for evidence in record.evidence}
         dropped = records[self._accounted : first] if first > self._accounted else []

@@ -3,30 +3,34 @@
 from __future__ import annotations
 
 import asyncio
+import errno
 import hmac
-import html
 import json
 import logging
+import socket
+import sys
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
-from dataclasses import asdict
+from dataclasses import dataclass, fields
 from typing import Annotated, Any
 
-import click
 import uvicorn
 from fastapi import FastAPI, Query, Request
 from fastapi.openapi.utils import get_openapi
-from fastapi.responses import HTMLResponse, JSONResponse, Response
+from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse, Response
+from fastapi_offline import FastAPIOffline
 from pydantic import BaseModel, Field, TypeAdapter, ValidationError
 
 from tqmon import __version__
 from tqmon.events import EVENT_TYPE_NAMES, Event, describe_validation
+from tqmon.exporters.html import render as render_status_page
 from tqmon.exporters.prometheus import render
-from tqmon.httpserver import BODY_TIMEOUT_SECONDS, UVICORN_LIMITS, GuardedH11Protocol
+from tqmon.httpserver import BACKLOG, BODY_TIMEOUT_SECONDS, UVICORN_LIMITS, GuardedH11Protocol
 from tqmon.report import verdict
-from tqmon.service import ConfigError, Service, ServiceConfig
-from tqmon.statelock import StateError
+from tqmon.rules import render as render_rules
+from tqmon.service import Service, ServiceConfig, StartupError
+from tqmon.snapshot import CheckpointView, ResumeRecord, RunInfo, Snapshot, SourceName, TQPollView, WindowView
 from tqmon.store import StateUnavailable
 
 EVENTS_ADAPTER: TypeAdapter[list[Event]] = TypeAdapter(list[Event])
@@ -41,7 +45,7 @@ class IngestResult(BaseModel):
 
 
 class Problem(BaseModel):
-    """Every rejection: ``reason`` is the ``tqmon_events_rejected_total`` label, ``detail`` names the field."""
+    """Every rejection: ``reason`` is the label of the rejected-events tally, ``detail`` names the field."""
 
     reason: str
     detail: str
@@ -51,10 +55,86 @@ class Health(BaseModel):
     status: str
 
 
+READYZ_RULES = (
+    "200 when all three hold, else 503: (1) at least one source has succeeded since tqmon started; (2) every "
+    "configured source is up: its last look succeeded and, for a polled source, no longer ago than its horizon "
+    "(log and jsonl: max(30 s, 10 x --log-interval); checkpoint: max(30 s, 10 x --checkpoint-interval); tq: "
+    "3 x its current poll interval + the kv_list timeout, at least 30 s); (3) the state dir takes writes (not "
+    "read-only, full or deleted). The event API is up while tqmon serves. "
+    "A checkpoint dir where verl has saved no checkpoint yet is a state, not a failure: the checkpoint source is "
+    "up and its series are absent until the first save. A --log or --jsonl file that does not exist yet keeps its "
+    "source down. `problems` names each down source with its last error, 'no source has succeeded yet', and "
+    "'state: ' with the state dir's error."
+)
+
+
 class Readiness(BaseModel):
     ready: bool
     sources: dict[str, bool]
     problems: list[str]
+
+
+@dataclass(frozen=True, slots=True)
+class VerdictRecord(ResumeRecord):
+    """A resume record with its one-line verdict."""
+
+    verdict: str = ""
+
+
+class SourceStatus(BaseModel):
+    """A source's health (:class:`tqmon.snapshot.SourceHealth`) and whether it is up now."""
+
+    source: str
+    ok: bool
+    last_success: float | None
+    last_duration: float | None
+    last_error: str | None
+    stale_after: float | None
+    up: bool
+
+
+class Status(BaseModel):
+    """``/api/v1/status``: everything from one snapshot, so no part of it can disagree with another."""
+
+    version: str
+    run: RunInfo | None
+    target_window: int | None
+    window_status: str
+    windows: list[WindowView]
+    trainer_step: int | None
+    trainer_last_event: float | None
+    checkpoint: CheckpointView | None
+    tq: TQPollView | None
+    sources: list[SourceStatus]
+    resumes_total: int
+    records_total: int
+    records_offset: int
+    records: list[VerdictRecord]
+
+    @classmethod
+    def of(cls, snapshot: Snapshot, now: float, limit: int, offset: int | None) -> Status:
+        start = max(0, snapshot.records_total - limit) if offset is None else offset
+        return cls(
+            version=snapshot.version,
+            run=snapshot.run,
+            target_window=snapshot.target_window,
+            window_status=snapshot.window_status(now),
+            windows=list(snapshot.fresh_windows(now)),
+            trainer_step=snapshot.trainer_step,
+            trainer_last_event=snapshot.trainer_last_event,
+            checkpoint=snapshot.checkpoint,
+            tq=snapshot.tq,
+            sources=[SourceStatus(**_fields(s), up=s.up(now)) for s in snapshot.sources],
+            resumes_total=snapshot.resumes_total,
+            records_total=snapshot.records_total,
+            records_offset=start,
+            records=[VerdictRecord(**_fields(r), verdict=verdict(r)) for r in snapshot.records[start : start + limit]],
+        )
+
+
+def _fields(view: object) -> dict[str, Any]:
+    """A dataclass's fields, not copied deeper (``asdict`` would turn nested views into dicts)."""
+    return {f.name: getattr(view, f.name) for f in fields(view)}  # type: ignore[arg-type]
 
 
 def _reject(service: Service, status: int, reason: str, detail: str) -> JSONResponse:
@@ -62,7 +142,9 @@ def _reject(service: Service, status: int, reason: str, detail: str) -> JSONResp
     return JSONResponse(Problem(reason=reason, detail=detail).model_dump(), status_code=status)
 
 
-def create_app(service: Service) -> FastAPI:
+def create_app(service: Service, clock: Callable[[], float] = time.time) -> FastAPI:
+    """The app; ``clock`` decides what is stale at request time (injectable, like the tracker's)."""
+
     @asynccontextmanager
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
         service.start()
@@ -71,34 +153,27 @@ def create_app(service: Service) -> FastAPI:
         finally:
             service.stop()
 
-    app = FastAPI(
+    app = FastAPIOffline(  # Swagger UI's assets served from the package, not a CDN
         title="tqmon",
         version=__version__,
         description="Observability sidecar for verl V1 async training's TransferQueue prefetch window.",
         lifespan=lifespan,
     )
 
-    @app.get("/", response_class=HTMLResponse, include_in_schema=False)
-    def landing() -> str:
-        snapshot = service.tracker.snapshot
-        record = snapshot.last_record
-        summary = "no resume observed yet" if record is None else f"last start: {verdict(record)}"
-        links = "".join(
-            f'<li><a href="{href}">{html.escape(label)}</a></li>'
-            for href, label in (
-                ("/metrics", "metrics"),
-                ("/api/v1/status", "status (JSON)"),
-                ("/healthz", "healthz"),
-                ("/readyz", "readyz"),
-                ("/docs", "API docs"),
-            )
-        )
-        return (
-            f"<!doctype html><html><head><title>tqmon</title></head><body><h1>tqmon {__version__}</h1>"
-            f"<p>{html.escape(summary)}; {snapshot.resumes_total} resumes.</p><ul>{links}</ul></body></html>"
-        )
+    @app.get("/", response_class=HTMLResponse, summary="Status page: the last starts, the window, alerts, sources")
+    def status_page() -> str:
+        return render_status_page(service.tracker.snapshot, clock())
 
-    @app.get("/metrics", include_in_schema=False)
+    @app.get("/rules", response_class=PlainTextResponse, summary="The shipped Prometheus alert rules (YAML)")
+    def rules() -> str:
+        return render_rules()
+
+    @app.get(
+        "/metrics",
+        response_class=PlainTextResponse,
+        summary="Prometheus text, or OpenMetrics when the Accept header asks for it",
+        responses={200: {"content": {"application/openmetrics-text": {}}}},
+    )
     def metrics(request: Request) -> Response:
         body, content_type = render(service.registry, request.headers.get("accept"))
         return Response(body, media_type=content_type)
@@ -107,10 +182,10 @@ def create_app(service: Service) -> FastAPI:
     def healthz() -> Health:
         return Health(status="ok")
 
-    @app.get("/readyz", responses={503: {"model": Readiness}})
+    @app.get("/readyz", responses={503: {"model": Readiness}}, description=READYZ_RULES)
     def readyz() -> JSONResponse:
         snapshot = service.tracker.snapshot
-        now = time.time()
+        now = clock()
         sources = {s.source: s.up(now) for s in snapshot.sources}
         problems = [f"{s.source}: {s.last_error or 'stale'}" for s in snapshot.sources if not s.up(now)]
         if not any(s.last_success is not None for s in snapshot.sources):
@@ -125,26 +200,8 @@ def create_app(service: Service) -> FastAPI:
     def status(
         limit: int = Query(100, ge=1, le=10_000, description="resume records to return, newest last"),
         offset: int | None = Query(None, ge=0, description="first record; default: the last `limit` records"),
-    ) -> dict[str, Any]:
-        snapshot = service.tracker.snapshot
-        now = time.time()
-        start = max(0, snapshot.records_total - limit) if offset is None else offset
-        return {
-            "version": __version__,
-            "run": None if snapshot.run is None else asdict(snapshot.run),
-            "target_window": snapshot.target_window,
-            "window_status": snapshot.window_status(now),
-            "windows": [asdict(w) for w in snapshot.fresh_windows(now)],
-            "trainer_step": snapshot.trainer_step,
-            "trainer_last_event": snapshot.trainer_last_event,
-            "checkpoint": None if snapshot.checkpoint is None else asdict(snapshot.checkpoint),
-            "tq": None if snapshot.tq is None else asdict(snapshot.tq),
-            "sources": [asdict(s) | {"up": s.up(now)} for s in snapshot.sources],
-            "resumes_total": snapshot.resumes_total,
-            "records_total": snapshot.records_total,
-            "records_offset": start,
-            "records": [r.to_json() | {"verdict": verdict(r)} for r in service.tracker.records(start, limit)],
-        }
+    ) -> Status:
+        return Status.of(service.tracker.snapshot, clock(), limit, offset)
 
     @app.post(
         "/api/v1/events",
@@ -202,10 +259,10 @@ def create_app(service: Service) -> FastAPI:
             return _reject(service, 422, "invalid_event", describe_validation(err, batch=isinstance(body, list)))
         started = time.monotonic()
         try:
-            applied, duplicates = service.tracker.ingest(events, "events")
+            applied, duplicates = service.tracker.ingest(events, SourceName.EVENTS)
         except StateUnavailable as err:  # never a 2xx for an event that is not on disk
             return _reject(service, 503, "state_unavailable", str(err))
-        service.tracker.source_succeeded("events", time.monotonic() - started)
+        service.tracker.source_succeeded(SourceName.EVENTS, time.monotonic() - started)
         result = IngestResult(accepted=len(events), applied=applied, duplicates=duplicates)
         return JSONResponse(result.model_dump())
 
@@ -223,22 +280,55 @@ def create_app(service: Service) -> FastAPI:
     return app
 
 
-def serve_forever(config: ServiceConfig, log_level: str = "info") -> None:
-    logging.basicConfig(level=log_level.upper(), format="%(levelname)s:%(asctime)s:%(name)s:%(message)s")
+Address = tuple[int, int, int, Any]  # getaddrinfo's family, type, proto and sockaddr
+
+
+def resolve(host: str, port: int) -> Address:
+    """``--listen``'s host as an address to bind; an unknown host is named."""
     try:
-        service = Service(config)
-    except ConfigError as err:
-        raise click.UsageError(str(err)) from err
-    except StateError as err:
-        raise click.ClickException(str(err)) from None
-    host = f"[{config.host}]" if ":" in config.host else config.host
-    click.echo(f"tqmon {__version__} serving on http://{host}:{config.port}/  (metrics: /metrics)", err=True)
-    uvicorn.run(
-        create_app(service),
-        host=config.host,
-        port=config.port,
-        log_level=log_level,
-        access_log=False,
-        http=GuardedH11Protocol,
-        **UVICORN_LIMITS,
+        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    except socket.gaierror as err:
+        raise StartupError(f"--listen: cannot resolve host {host!r}: {err.strerror}") from None
+    return family, kind, proto, address
+
+
+def bind(host: str, port: int, resolved: Address) -> socket.socket:
+    """The listening socket, before anything says it serves; a refusal is one sentence."""
+    family, kind, proto, address = resolved
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(address)
+        sock.listen(BACKLOG)
+    except OSError as err:
+        sock.close()
+        problem = {
+            errno.EADDRINUSE: f"port {port} is already in use (another tqmon?)",
+            errno.EADDRNOTAVAIL: f"{host} is not an address of this machine",
+            errno.EACCES: f"not allowed to listen on port {port}",
+        }.get(err.errno or 0, f"cannot listen: {err.strerror or err}")
+        raise StartupError(f"--listen {host}:{port}: {problem}") from None
+    return sock
+
+
+def serve_forever(config: ServiceConfig) -> None:
+    """Run until stopped; a setting that cannot work raises :class:`tqmon.service.ConfigError` first, and
+    one the machine refuses :class:`tqmon.service.StartupError`; "serving on" comes once the socket listens."""
+    logging.basicConfig(level=config.log_level.upper(), format="%(levelname)s:%(asctime)s:%(name)s:%(message)s")
+    host, port = config.address
+    resolved = resolve(host, port)
+    config.validate()
+    sock = bind(host, port, resolved)
+    try:
+        service = Service(config, announce=lambda line: print(line, file=sys.stderr, flush=True))
+    except BaseException:
+        sock.close()
+        raise
+    shown = f"[{host}]" if ":" in host else host
+    print(f"tqmon {__version__} serving on http://{shown}:{port}/  (metrics: /metrics)", file=sys.stderr, flush=True)
+    app = create_app(service)
+    settings = uvicorn.Config(
+        app, log_level=config.log_level, access_log=False, http=GuardedH11Protocol, **UVICORN_LIMITS
     )
+    server = uvicorn.Server(settings)
+    server.run(sockets=[sock])

@@ -4,20 +4,31 @@ from __future__ import annotations
 
 import ipaddress
 import logging
+import sqlite3
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal
 
 from prometheus_client import CollectorRegistry
 
-from tqmon.events import TrainerConfig
 from tqmon.exporters.prometheus import build_registry
 from tqmon.retention import Retention, RetentionPolicy
+from tqmon.snapshot import Snapshot, SourceName
 from tqmon.sources.checkpoint import CheckpointSource
 from tqmon.sources.logfile import LogSource, parse_jsonl
-from tqmon.sources.tq import PollBudget, PollerProcess, TQSource
+from tqmon.sources.polling import Source
+from tqmon.sources.tq import PollBudget, PollerProcess, PollSettings, TQSource
+from tqmon.statelock import StateError
 from tqmon.store import StateStore
 from tqmon.tracker import Tracker
+from tqmon.warmup import GivenConfig
 
+if TYPE_CHECKING:
+    from tqmon.exporters.otlp import OTLPExporter
+
+LISTEN_DEFAULT = "127.0.0.1:9842"
+LogLevel = Literal["debug", "info", "warning", "error"]
 log = logging.getLogger(__name__)
 
 
@@ -34,33 +45,110 @@ class ConfigError(ValueError):
     """A setting that cannot work; the message says which and why."""
 
 
+class StartupError(RuntimeError):
+    """The machine refuses a valid setting (a port in use, an unknown host, a state dir tqmon cannot create)."""
+
+
+def _setting(default: Any, help: str, *, metavar: str | None = None) -> Any:
+    """A ``ServiceConfig`` field that is a ``tqmon serve`` flag (and ``TQMON_<NAME>``): declared once here,
+    with its default and help; the CLI, ``--help`` and the README table follow (a test checks the README)."""
+    return field(default=default, metadata={"help": help, "metavar": metavar})
+
+
 @dataclass(frozen=True)
 class ServiceConfig:
-    host: str = "127.0.0.1"
-    port: int = 9842
-    state_dir: Path = Path("tqmon-state")
-    log_patterns: tuple[str, ...] = ()
-    log_interval: float = 1.0
-    jsonl_patterns: tuple[str, ...] = ()
-    token: str | None = None
-    stale_after: float = 300.0
-    max_body_bytes: int = 1 << 20
+    """Everything ``tqmon serve`` is told; frozen (what changes at run time lives in the sources)."""
+
+    listen: str = _setting(LISTEN_DEFAULT, "HOST:PORT to serve on.", metavar="HOST:PORT")
+    state_dir: Path = _setting(
+        Path("tqmon-state"),
+        "Directory for the SQLite state (resume history, counters, log offsets); survives restarts.",
+        metavar="DIR",
+    )
+    recover: bool = _setting(
+        False,
+        "If the state file is corrupt or not tqmon's, move it aside (timestamped) and start empty, re-reading the "
+        "sources; without it tqmon refuses to start. See docs/reliability.md.",
+    )
+    retain: RetentionPolicy = field(default_factory=RetentionPolicy)  # the --retain-* flags
+    log: tuple[str, ...] = _setting(
+        (),
+        "verl trainer log to follow like tail -F (repeatable, globs allowed; the env var is space-separated).",
+        metavar="PATH",
+    )
+    jsonl: tuple[str, ...] = _setting(
+        (),
+        "verl's file-logger metrics (trainer.logger=[...,file], VERL_FILE_LOGGER_PATH): step times, generation "
+        "wait and evictions by reason. Truncated by verl on every restart; repeatable, globs allowed.",
+        metavar="PATH",
+    )
+    log_interval: float = _setting(1.0, "Seconds between polls of the --log and --jsonl files.")
+    token: str | None = _setting(
+        None, "Bearer token the event API requires; mandatory when --listen is not a loopback address."
+    )
+    stale_after: float = _setting(
+        300.0, "Seconds after which a source's live data is dropped from /metrics and the source reads down."
+    )
+    max_body_bytes: int = _setting(1 << 20, "Largest event API body accepted.")
+    log_level: LogLevel = _setting("info", "tqmon's own logging.")
+    checkpoint_dir: Path | None = _setting(
+        None,
+        "verl's trainer.default_local_dir: predict the next resume from its latest TransferQueue checkpoint "
+        "(read-only).",
+        metavar="DIR",
+    )
+    checkpoint_interval: float = _setting(10.0, "Seconds between checkpoint dir polls.")
+    ray_address: str | None = _setting(
+        None,
+        "Watch the live TransferQueue of the Ray cluster at ADDR (GCS host:port; 'auto' = the local cluster). "
+        "Read-only: tqmon never calls tq.init/tq.close and creates nothing in the cluster. Default: off.",
+        metavar="ADDR|auto",
+    )
+    tq_timeout: float = _setting(
+        5.0, "Hard timeout of every call to Ray and the TQ controller; a lost controller reads down within it."
+    )
+    tq: PollSettings = field(default_factory=PollSettings)  # the --tq-* flags
+    trainer: GivenConfig | None = None  # the trainer flags or --trainer-config; run_started overrides it
     process_metrics: bool = True
-    checkpoint_dir: Path | None = None
-    checkpoint_interval: float = 10.0
-    trainer: tuple[str, TrainerConfig, str] | None = None  # (trainer_mode, config, origin); run_started overrides
-    ray_address: str | None = None
-    tq_timeout: float = 5.0
-    tq_budget: PollBudget = field(default_factory=PollBudget)
-    recover: bool = False  # move a corrupt state file aside instead of refusing to start
-    retention: RetentionPolicy = field(default_factory=RetentionPolicy)
+    otlp_endpoint: str | None = _setting(
+        None,
+        "Also push the metrics and resume log records over OTLP/HTTP to URL/v1/metrics and URL/v1/logs "
+        "(needs the otel extra). Honours OTEL_EXPORTER_OTLP_ENDPOINT (this flag wins), "
+        "OTEL_EXPORTER_OTLP_METRICS_ENDPOINT and OTEL_EXPORTER_OTLP_LOGS_ENDPOINT (they win for their signal), "
+        "OTEL_EXPORTER_OTLP_HEADERS, OTEL_EXPORTER_OTLP_PROTOCOL (http/protobuf), OTEL_EXPORTER_OTLP_COMPRESSION, "
+        "OTEL_EXPORTER_OTLP_TIMEOUT (ms), OTEL_EXPORTER_OTLP_CERTIFICATE, OTEL_METRIC_EXPORT_INTERVAL (ms), "
+        "OTEL_RESOURCE_ATTRIBUTES, OTEL_SERVICE_NAME, and POD_NAME, POD_NAMESPACE (downward API). Default: off.",
+        metavar="URL",
+    )
+
+    @property
+    def address(self) -> tuple[str, int]:
+        """``--listen`` as (host, port); ``HOST:PORT`` or ``[IPv6]:PORT``."""
+        host, sep, port = self.listen.rpartition(":")
+        if not sep or not port.isdigit() or not host:
+            raise ConfigError(f"--listen: expected HOST:PORT (e.g. {LISTEN_DEFAULT}), got {self.listen!r}")
+        if not 0 < int(port) < 65536:
+            raise ConfigError(f"--listen: port out of range (1-65535): {port} in {self.listen!r}")
+        return host.strip("[]"), int(port)
+
+    @property
+    def log_patterns(self) -> list[str]:
+        return [pattern for item in self.log for pattern in item.split()]
+
+    @property
+    def jsonl_patterns(self) -> list[str]:
+        return [pattern for item in self.jsonl for pattern in item.split()]
 
     def validate(self) -> None:
-        if not is_loopback(self.host) and not self.token:
+        host, _ = self.address
+        if not is_loopback(host) and not self.token:
             raise ConfigError(
-                f"listening on {self.host} (not loopback) requires --token / TQMON_TOKEN: "
+                f"listening on {host} (not loopback) requires --token / TQMON_TOKEN: "
                 "the event API would otherwise accept anyone's events"
             )
+        for flag, path in (("--state-dir", self.state_dir), ("--checkpoint-dir", self.checkpoint_dir)):
+            if path is not None and path.exists() and not path.is_dir():
+                raise ConfigError(f"{flag} {path} is a file, not a directory")
         if self.stale_after <= 0:
             raise ConfigError(f"--stale-after must be positive, got {self.stale_after}")
         if self.log_interval <= 0:
@@ -70,8 +158,8 @@ class ServiceConfig:
         if self.tq_timeout <= 0:
             raise ConfigError(f"--tq-timeout must be positive, got {self.tq_timeout}")
         try:
-            self.tq_budget.validate()
-            self.retention.validate()
+            self.tq.validate()
+            self.retain.validate()
         except ValueError as err:
             raise ConfigError(str(err)) from None
 
@@ -79,29 +167,39 @@ class ServiceConfig:
 class Service:
     """Sources feed the tracker; the registry renders the tracker's snapshot."""
 
-    def __init__(self, config: ServiceConfig) -> None:
+    def __init__(self, config: ServiceConfig, announce: Callable[[str], None] | None = None) -> None:
+        """``announce`` receives each source's state line when it changes (see :class:`Tracker`)."""
         config.validate()
         self.config = config
-        self.token = config.token
+        self.otlp = (
+            otlp_exporter(config.otlp_endpoint, lambda: self.tracker.snapshot, config.address[1])
+            if config.otlp_endpoint
+            else None  # refused here, before any state is touched
+        )
+        self.token = config.token or None
         self.max_body_bytes = config.max_body_bytes
-        self.store = StateStore(config.state_dir, exclusive=True, recover=config.recover)
-        self.tracker = Tracker(self.store, stale_after=config.stale_after, flag_config=config.trainer)
+        try:
+            self.store = StateStore(config.state_dir, exclusive=True, recover=config.recover)
+        except StateError as err:  # locked, corrupt, foreign or too new: the message names the way out
+            raise StartupError(str(err)) from None
+        except (OSError, sqlite3.Error) as err:
+            detail = err.strerror if isinstance(err, OSError) and err.strerror else str(err)
+            raise StartupError(f"--state-dir {config.state_dir}: unusable: {detail}") from None
+        self.tracker = Tracker(self.store, stale_after=config.stale_after, given=config.trainer, announce=announce)
         replayed = self.tracker.replay()
         if replayed:
             log.info("restored %d events from %s", replayed, self.store.path)
-        self.tracker.register_source("events", stale_after=None)
-        self.retention = Retention(self.tracker, self.store, config.retention)
+        self.tracker.register_source(SourceName.EVENTS, stale_after=None)
+        self.retention = Retention(self.tracker, self.store, config.retain)
         self.log_source = (
-            LogSource(list(config.log_patterns), self.tracker, interval=config.log_interval)
-            if config.log_patterns
-            else None
+            LogSource(config.log_patterns, self.tracker, interval=config.log_interval) if config.log_patterns else None
         )
         self.jsonl_source = (
             LogSource(
-                list(config.jsonl_patterns),
+                config.jsonl_patterns,
                 self.tracker,
                 interval=config.log_interval,
-                source="jsonl",
+                source=SourceName.JSONL,
                 parse=parse_jsonl,
             )
             if config.jsonl_patterns
@@ -113,16 +211,15 @@ class Service:
             else None
         )
         self.tq_source = (
-            TQSource(self.tracker, PollerProcess(config.ray_address, config.tq_timeout), config.tq_budget)
+            TQSource(self.tracker, PollerProcess(config.ray_address, config.tq_timeout), PollBudget(config.tq))
             if config.ray_address
             else None
         )
-        self.registry: CollectorRegistry = build_registry(
-            lambda: self.tracker.snapshot, process_metrics=config.process_metrics
-        )
+        current = self.otlp.current if self.otlp is not None else (lambda: self.tracker.snapshot)
+        self.registry: CollectorRegistry = build_registry(current, process_metrics=config.process_metrics)
 
     @property
-    def sources(self) -> list[LogSource | CheckpointSource | TQSource]:
+    def sources(self) -> list[Source]:
         candidates = (self.log_source, self.jsonl_source, self.checkpoint_source, self.tq_source)
         return [source for source in candidates if source is not None]
 
@@ -130,9 +227,25 @@ class Service:
         self.retention.start()
         for source in self.sources:
             source.start()
+        if self.otlp is not None:
+            self.otlp.start()
 
     def stop(self) -> None:
         for source in self.sources:
             source.stop()
+        if self.otlp is not None:
+            self.otlp.stop()  # after the sources: the final flush carries their last word
         self.retention.stop()
         self.store.close()
+
+
+def otlp_exporter(endpoint: str, source: Callable[[], Snapshot], port: int) -> OTLPExporter:
+    """Imported only when enabled, so the base install needs no OpenTelemetry; errors are one line."""
+    try:
+        from tqmon.exporters.otlp import OTLPConfigError, OTLPExporter
+    except ImportError as err:
+        raise ConfigError(str(err)) from None
+    try:
+        return OTLPExporter.from_environment(endpoint, source, port=port)
+    except OTLPConfigError as err:
+        raise ConfigError(str(err)) from None

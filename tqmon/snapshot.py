@@ -2,11 +2,32 @@
 
 from __future__ import annotations
 
+import enum
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from typing import Any
 
 from tqmon.warmup import WarmupState
+
+
+class SourceName(enum.StrEnum):
+    """Every source tqmon has; the values of the ``source`` label. A new source adds its name here."""
+
+    TQ = "tq"
+    CHECKPOINT = "checkpoint"
+    LOG = "log"
+    JSONL = "jsonl"
+    EVENTS = "events"
+
+
+class Tally(enum.StrEnum):
+    """What the tracker counts (label values in the comments); the exporters name the metric of each."""
+
+    EVENTS = "events"  # (source, applied | duplicate)
+    EVENTS_REJECTED = "events_rejected"  # (reason,): an event API request turned away
+    LOG_LINES = "log_lines"  # (event | ignored | malformed,): trainer log lines read
+    SOURCE_ERRORS = "source_errors"  # (source, reason)
+    PICKLE_REFUSALS = "checkpoint_pickle_refusals"  # (reason,): a controller_state.pkl refused before unpickling
 
 
 @dataclass(frozen=True, slots=True)
@@ -129,6 +150,14 @@ class StateHealth:
 
 
 @dataclass(frozen=True, slots=True)
+class OTLPView:
+    """The OTLP push exporter's delivery record; only present while ``--otlp-endpoint`` is on."""
+
+    export_failures: Mapping[str, int]  # signal -> exports that failed after the SDK's retries
+    dropped_log_records: int  # resume log records dropped because the bounded queue was full
+
+
+@dataclass(frozen=True, slots=True)
 class Snapshot:
     built_at: float
     version: str
@@ -145,8 +174,10 @@ class Snapshot:
     checkpoint: CheckpointView | None
     tq: TQPollView | None
     sources: tuple[SourceHealth, ...]
-    counters: Mapping[str, Mapping[tuple[str, ...], int]]  # catalog name -> label values -> value
-    state: StateHealth = StateHealth()
+    counters: Mapping[Tally, Mapping[tuple[str, ...], int]]  # label values -> value
+    records: tuple[ResumeRecord, ...] = ()  # every start, oldest first (records_total of them)
+    otlp: OTLPView | None = None  # set by the OTLP exporter on the snapshot it and /metrics render
+    state: StateHealth = StateHealth()  # the state dir; failures are the store's, counted in memory
 
     def fresh_windows(self, now: float) -> tuple[WindowView, ...]:
         """Windows observed within ``stale_after``: frozen data is never served as fresh."""

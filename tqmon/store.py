@@ -55,13 +55,18 @@ CREATE TABLE IF NOT EXISTS cursors (
 );
 """
 
-# v1 -> v2: the event type as a column (retention keeps the newest events of some types), and a
-# key/value table for what retention pruned (the resumes it dropped still count in tqmon_resumes_total).
+# v1 -> v2: the event type as a column (retention keeps the newest events of some types), a key/value
+# table for what retention pruned (the resumes it dropped still count in tqmon_resumes_total), and the
+# counters renamed from the metric names tqmon 0.x stored (``tqmon_<tally>_total``) to the tracker's tallies.
 MIGRATE_V1_V2 = """
 ALTER TABLE events ADD COLUMN type TEXT NOT NULL DEFAULT '';
 UPDATE events SET type = coalesce(json_extract(body, '$.type'), '');
 CREATE INDEX events_by_type ON events (type, seq);
 CREATE TABLE meta (key TEXT PRIMARY KEY, value INTEGER NOT NULL);
+INSERT INTO counters (name, labels, value)
+    SELECT substr(name, 7, length(name) - 12), labels, value FROM counters WHERE name LIKE 'tqmon!_%!_total' ESCAPE '!'
+    ON CONFLICT (name, labels) DO UPDATE SET value = value + excluded.value;
+DELETE FROM counters WHERE name LIKE 'tqmon!_%!_total' ESCAPE '!';
 """
 V1_TABLES = {"events", "counters", "cursors"}
 

@@ -1,4 +1,4 @@
-"""verl 0.9.1's async warmup and first-sample eviction arithmetic, as pure functions.
+"""verl 0.9.1's trainer settings and its async warmup and first-sample eviction arithmetic, as pure functions.
 
 Everything here mirrors ``PPOTrainer._add_async_warmup_batches`` and ``ReplayBufferAsync`` of
 verl 0.9.1 line for line, so tqmon's expected numbers are verl's numbers. No I/O, no clock.
@@ -11,13 +11,33 @@ import math
 import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Annotated, Literal, get_args
 
-ASYNC_MODES = frozenset({"colocate_async", "separate_async"})
-TRAINER_MODES = frozenset({"sync", *ASYNC_MODES})
-OFF_POLICY_STRATEGIES = frozenset({"drop", "wait"})
-PROMPT_STATUSES = ("pending", "running", "finished", "failure")
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
+
+TrainerMode = Literal["colocate_async", "separate_async", "sync"]
+TRAINER_MODES = frozenset(get_args(TrainerMode))
+ASYNC_MODES = TRAINER_MODES - {"sync"}
+OffPolicyStrategy = Literal["drop", "wait"]
+PromptStatus = Literal["pending", "running", "finished", "failure"]
+PROMPT_STATUSES: tuple[PromptStatus, ...] = get_args(PromptStatus)
 INFLIGHT_STATUSES = frozenset({"pending", "running"})
-DOOM_REASONS = ("failure", "stale", "filtered")
+DoomReason = Literal["failure", "stale", "filtered"]
+DOOM_REASONS: tuple[DoomReason, ...] = get_args(DoomReason)
+Partition = Literal["train", "val"]  # the TransferQueue partitions verl uses: training and validation
+PARTITIONS: tuple[Partition, ...] = get_args(Partition)
+SkipReason = Literal["window_full", "sync_mode", "skip_rollout_tq", "non_positive_warmup"]
+
+
+def _not_bool(value: object) -> object:
+    """``true`` is not a number, though pydantic would read it as 1. (A string may be: Hydra's ``oc.env``
+    interpolation resolves to one, and verl casts it by the field's type as pydantic does.)"""
+    if isinstance(value, bool):
+        raise ValueError("must be a number, not a boolean")
+    return value
+
+
+NOT_BOOL = BeforeValidator(_not_bool)  # on every numeric trainer setting
 
 
 class WarmupState(enum.StrEnum):
@@ -34,30 +54,81 @@ class WarmupState(enum.StrEnum):
 
 
 @dataclass(frozen=True, slots=True)
-class WarmupConfig:
-    """The trainer settings that decide the warmup (verl config paths in the comments)."""
+class Verl:
+    """Where a trainer setting lives in verl's Hydra config (``<mode>``: the trainer mode), and its flag's help."""
 
-    trainer_mode: str  # trainer.v1.trainer_mode
-    train_batch_size: int  # data.train_batch_size
-    num_warmup_batches: float  # trainer.v1.<mode>.num_warmup_batches
-    gen_batch_size: int | None = None  # data.gen_batch_size (forced to 1 in async modes)
-    skip_rollout_tq: bool = False  # skip.rollout_tq.enable
-    max_off_policy_threshold: int | None = 8  # trainer.v1.sampler.max_off_policy_threshold
-    max_off_policy_strategy: str = "drop"  # trainer.v1.sampler.max_off_policy_strategy
-    filter_groups: bool = False  # algorithm.filter_groups.enable
+    path: str
+    help: str
 
-    def __post_init__(self) -> None:
-        if self.trainer_mode not in TRAINER_MODES:
-            raise ValueError(f"trainer_mode must be one of {sorted(TRAINER_MODES)}, got {self.trainer_mode!r}")
-        if self.train_batch_size <= 0:
-            raise ValueError(f"train_batch_size must be positive, got {self.train_batch_size}")
-        if self.gen_batch_size is not None and self.gen_batch_size <= 0:
-            raise ValueError(f"gen_batch_size must be positive or null, got {self.gen_batch_size}")
-        if self.max_off_policy_strategy not in OFF_POLICY_STRATEGIES:
-            raise ValueError(
-                f"max_off_policy_strategy must be one of {sorted(OFF_POLICY_STRATEGIES)}, "
-                f"got {self.max_off_policy_strategy!r}"
-            )
+
+class TrainerConfig(BaseModel):
+    """The verl settings that decide the warmup and the first sample's evictions.
+
+    Each is declared here once, with its verl path and default: the event schema (``run_started``'s
+    config), the Hydra reader and the CLI flags are derived from these fields.
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    train_batch_size: Annotated[
+        int,
+        Field(gt=0, description="data.train_batch_size"),
+        NOT_BOOL,
+        Verl("data.train_batch_size", "data.train_batch_size (B); needed for T."),
+    ]
+    gen_batch_size: Annotated[
+        int | None,
+        Field(gt=0, description="data.gen_batch_size (async modes force 1)"),
+        NOT_BOOL,
+        Verl("data.gen_batch_size", "data.gen_batch_size (the async modes and DAPO force 1)."),
+    ] = None
+    num_warmup_batches: Annotated[
+        float,
+        Field(description="trainer.v1.<mode>.num_warmup_batches (may be fractional)"),
+        NOT_BOOL,
+        Verl(
+            "trainer.v1.<mode>.num_warmup_batches",
+            "trainer.v1.<mode>.num_warmup_batches (may be fractional); needed for T.",
+        ),
+    ]
+    skip_rollout_tq: Annotated[
+        bool,
+        Field(description="skip.rollout_tq.enable"),
+        Verl("skip.rollout_tq.enable", "skip.rollout_tq.enable (disables the warmup)."),
+    ] = False
+    max_off_policy_threshold: Annotated[
+        int | None,
+        Field(description="trainer.v1.sampler.max_off_policy_threshold"),
+        NOT_BOOL,
+        Verl("trainer.v1.sampler.max_off_policy_threshold", "trainer.v1.sampler.max_off_policy_threshold, or 'null'."),
+    ] = 8
+    max_off_policy_strategy: Annotated[
+        OffPolicyStrategy,
+        Field(description="trainer.v1.sampler.max_off_policy_strategy"),
+        Verl(
+            "trainer.v1.sampler.max_off_policy_strategy",
+            "trainer.v1.sampler.max_off_policy_strategy (only 'drop' evicts stale groups).",
+        ),
+    ] = "drop"
+    filter_groups: Annotated[
+        bool,
+        Field(description="algorithm.filter_groups.enable"),
+        Verl("algorithm.filter_groups.enable", "algorithm.filter_groups.enable (DAPO)."),
+    ] = False
+
+    def warmup_config(self, trainer_mode: str) -> WarmupConfig:
+        return WarmupConfig(trainer_mode=trainer_mode, **self.model_dump())
+
+
+def verl_setting(name: str) -> Verl:
+    """The verl path and help of one :class:`TrainerConfig` field."""
+    return next(item for item in TrainerConfig.model_fields[name].metadata if isinstance(item, Verl))
+
+
+class WarmupConfig(TrainerConfig):
+    """The trainer settings with the trainer mode (``trainer.v1.trainer_mode``): all the warmup depends on."""
+
+    trainer_mode: TrainerMode
 
     @property
     def effective_gen_batch_size(self) -> int:
@@ -65,6 +136,19 @@ class WarmupConfig:
         if self.trainer_mode in ASYNC_MODES or self.filter_groups:
             return 1
         return self.gen_batch_size or self.train_batch_size
+
+
+@dataclass(frozen=True, slots=True)
+class GivenConfig:
+    """A trainer config tqmon was given before any ``run_started`` (which overrides it), and from where."""
+
+    trainer_mode: str
+    config: TrainerConfig
+    origin: str  # "flags" or "file:<path>"
+
+    @property
+    def warmup(self) -> WarmupConfig:
+        return self.config.warmup_config(self.trainer_mode)
 
 
 def target_window(config: WarmupConfig) -> int:
@@ -103,6 +187,17 @@ def decide_warmup(config: WarmupConfig, restored: int, *, resumed: bool) -> Warm
     else:
         state = WarmupState.TOPPED_UP if resumed else WarmupState.FRESH_START
     return WarmupDecision(target, restored, missing, over, state, logged=True)
+
+
+def skip_reason(config: WarmupConfig) -> SkipReason:
+    """Why a warmup that submits nothing does so, in the order verl 0.9.1 checks (the ``skip_reason`` values)."""
+    if config.trainer_mode == "sync":
+        return "sync_mode"
+    if config.skip_rollout_tq:
+        return "skip_rollout_tq"
+    if config.num_warmup_batches <= 0:
+        return "non_positive_warmup"
+    return "window_full"
 
 
 def legacy_submitted(config: WarmupConfig, warmup_batches: int) -> int:
@@ -160,7 +255,7 @@ def classify_doomed(config: WarmupConfig, groups: Iterable[RestoredGroup], check
 
     Each group counts once; the first sample after the resume happens at step N+1.
     """
-    counts = dict.fromkeys(DOOM_REASONS, 0)
+    counts: dict[str, int] = dict.fromkeys(DOOM_REASONS, 0)
     for group in groups:
         reason = doom_reason(config, group, checkpoint_step + 1)
         if reason is not None:

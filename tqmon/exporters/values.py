@@ -8,11 +8,19 @@ from __future__ import annotations
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 
-from tqmon.catalog import BY_NAME, MetricSpec, MetricType
-from tqmon.snapshot import Snapshot
+from tqmon.catalog import BY_NAME, OTLP_SIGNALS, STATE_WRITE_FAILURE_REASONS, MetricSpec
+from tqmon.snapshot import Snapshot, SourceName, Tally
 from tqmon.warmup import PROMPT_STATUSES
 
 Labels = tuple[str, ...]
+# The catalog counter each of the tracker's tallies becomes.
+TALLIES: dict[str, Tally] = {
+    "tqmon_events_total": Tally.EVENTS,
+    "tqmon_events_rejected_total": Tally.EVENTS_REJECTED,
+    "tqmon_log_lines_total": Tally.LOG_LINES,
+    "tqmon_source_errors_total": Tally.SOURCE_ERRORS,
+    "tqmon_checkpoint_pickle_refusals_total": Tally.PICKLE_REFUSALS,
+}
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,7 +54,7 @@ def _opt(value: float | None) -> list[Series]:
 
 def _counter(spec: MetricSpec, snapshot: Snapshot, sources: tuple[str, ...]) -> list[Series]:
     """All label combinations of a closed-set counter, so an absent error reads 0 rather than no data."""
-    observed = snapshot.counters.get(spec.name, {})
+    observed = snapshot.counters.get(TALLIES[spec.name], {})
     first = spec.labels[0]
     firsts = sources if first.name == "source" else (first.values or ())
     rest = spec.labels[1].values or () if len(spec.labels) > 1 else None
@@ -128,14 +136,26 @@ def metric_values(snapshot: Snapshot, now: float) -> Iterator[tuple[MetricSpec, 
             "tqmon_tq_reply_keys": _opt(tq.reply_keys),
             "tqmon_tq_controller_epochs_total": [Series((), tq.epochs)],
         }
-    for spec in BY_NAME.values():
-        if spec.type is MetricType.COUNTER and spec.labels:
-            values[spec.name] = _counter(spec, snapshot, sources)
-    values["tqmon_state_writable"] = [Series((), float(snapshot.state.writable))]
-    if "log" not in sources:
+    for name in TALLIES:
+        values[name] = _counter(BY_NAME[name], snapshot, sources)
+    if SourceName.LOG not in sources:
         values.pop("tqmon_log_lines_total", None)
-    if "checkpoint" not in sources:
+    if SourceName.CHECKPOINT not in sources:
         values.pop("tqmon_checkpoint_pickle_refusals_total", None)
+    if snapshot.otlp is None:  # OTLP push is off
+        values.pop("tqmon_otlp_export_failures_total", None)
+    else:
+        values |= {
+            "tqmon_otlp_export_failures_total": [
+                Series((s,), snapshot.otlp.export_failures.get(s, 0)) for s in OTLP_SIGNALS
+            ],
+            "tqmon_otlp_log_records_dropped_total": [Series((), snapshot.otlp.dropped_log_records)],
+        }
+    failures = dict(snapshot.state.failures)
+    values |= {
+        "tqmon_state_writable": [Series((), float(snapshot.state.writable))],
+        "tqmon_state_write_failures_total": [Series((r,), failures.get(r, 0)) for r in STATE_WRITE_FAILURE_REASONS],
+    }
 
     for spec in BY_NAME.values():
         series = values.get(spec.name)

@@ -16,11 +16,11 @@ from tqmon.events import (
     CheckpointRestored,
     Event,
     InflightReissued,
-    SkipReason,
-    TrainerConfig,
     TrainingStarted,
     WarmupDecided,
 )
+from tqmon.warmup import SkipReason, TrainerConfig
+from tqmon.warmup import skip_reason as warmup_skip_reason
 
 Submission = Literal["reissue", "warmup", "step", "refill", "validation"]
 
@@ -31,13 +31,7 @@ class Sink(Protocol):
 
 def skip_reason(config: TrainerConfig, trainer_mode: str) -> SkipReason:
     """Why a warmup that submitted nothing did so, in the order verl 0.9.1 checks."""
-    if trainer_mode == "sync":
-        return "sync_mode"
-    if config.skip_rollout_tq:
-        return "skip_rollout_tq"
-    if config.num_warmup_batches <= 0:
-        return "non_positive_warmup"
-    return "window_full"
+    return warmup_skip_reason(config.warmup_config(trainer_mode))
 
 
 class StartReporter:

@@ -25,9 +25,10 @@ from verl.utils.checkpoint.checkpoint_manager import find_latest_ckpt_path
 from verl.utils.ray_utils import auto_await
 
 from tqmon.composition import Composition, compose
-from tqmon.events import CheckpointSaved, RunStarted, TrainerConfig
+from tqmon.events import CheckpointSaved, RunStarted
 from tqmon.integrations.poster import EventPoster
 from tqmon.integrations.resume import StartReporter, Submission
+from tqmon.warmup import TrainerConfig
 
 try:
     from verl.trainer.ppo.checkpoint_callback import CheckpointCallback

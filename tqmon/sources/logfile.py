@@ -9,7 +9,6 @@ from __future__ import annotations
 import glob
 import logging
 import os
-import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator
@@ -17,12 +16,12 @@ from dataclasses import dataclass
 from typing import BinaryIO
 
 from tqmon.events import Event
-from tqmon.snapshot import Evidence
+from tqmon.snapshot import Evidence, SourceName
 from tqmon.sources.jsonlparse import parse_jsonl_line
 from tqmon.sources.logparse import ParsedLine, parse_line
+from tqmon.sources.polling import PollingLoop
 from tqmon.tracker import Tracker
 
-SOURCE = "log"
 LineParser = Callable[[str, str], ParsedLine]  # (line, fallback id) -> what it says
 CHUNK_BYTES = 1 << 20
 BATCH_LINES = 10_000  # lines per transaction when catching up on a long log
@@ -78,7 +77,7 @@ def ingest_file(path: str, tracker: Tracker) -> int:
     with open(path, "rb") as handle:
         st = os.fstat(handle.fileno())
         events, outcomes, errors = parse_chunk(read_lines(handle, 0, final=True), f"{st.st_dev}-{st.st_ino}")
-    tracker.ingest(events, SOURCE, log_lines=outcomes)
+    tracker.ingest(events, SourceName.LOG, log_lines=outcomes)
     for message in errors[:5]:
         log.warning("skipped malformed log line: %s", message)
     return len(errors)
@@ -87,6 +86,15 @@ def ingest_file(path: str, tracker: Tracker) -> int:
 def parse_jsonl(line: str, _fallback_id: str) -> ParsedLine:
     """verl's JSONL lines carry no timestamp but are unique by content: their ids come from it."""
     return parse_jsonl_line(line)
+
+
+def _unmatched(pattern: str) -> str:
+    """Why ``pattern`` names no file to follow, as the operator needs to read it."""
+    if glob.has_magic(pattern):
+        return f"no file matches {pattern} (yet): waiting"
+    if os.path.isdir(pattern):
+        return f"{pattern} is a directory, not a log file"
+    return f"{pattern} does not exist (yet): waiting"
 
 
 class LogSource:
@@ -102,45 +110,36 @@ class LogSource:
         tracker: Tracker,
         *,
         interval: float = 1.0,
-        source: str = SOURCE,
+        source: SourceName = SourceName.LOG,
         parse: LineParser = parse_line,
+        clock: Callable[[], float] = time.time,
     ) -> None:
         self.patterns = patterns
         self.tracker = tracker
         self.interval = interval
-        self.source = source
+        self.name = source
         self.parse = parse
+        self._clock = clock
         self._files: dict[str, _Followed] = {}
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name=f"tqmon-{source}", daemon=True)
-        tracker.register_source(source, stale_after=max(30.0, 10 * interval))
+        self._loop = PollingLoop(source, tracker, self.poll, interval)
+        tracker.register_source(source, stale_after=max(30.0, 10 * interval), watching=", ".join(patterns))
 
     def start(self) -> None:
-        self._thread.start()
+        self._loop.start()
 
     def stop(self) -> None:
-        self._stop.set()
-        if self._thread.is_alive():  # poll() may be driven directly, without the thread
-            self._thread.join(timeout=5)
+        self._loop.stop()
         for followed in self._files.values():
             followed.handle.close()
 
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            try:
-                self.poll()
-            except Exception as err:  # the thread must outlive any one bad poll
-                log.exception("%s poll failed", self.source)
-                self.tracker.source_failed(self.source, "read_error", f"poll failed: {err}")
-            self._stop.wait(self.interval)
-
-    def poll(self) -> None:
-        """One pass over every matching file; never raises (a broken file must not stop the others)."""
+    def poll(self) -> float:
+        """One pass over every matching file; a broken file does not stop the others."""
         started = time.monotonic()
         paths = sorted({p for pattern in self.patterns for p in glob.glob(pattern) if os.path.isfile(p)})
         if not paths:
-            self.tracker.source_failed(self.source, "unavailable", f"no file matches {', '.join(self.patterns)}")
-            return
+            reason = "read_error" if any(os.path.isdir(p) for p in self.patterns) else "unavailable"
+            self.tracker.source_failed(self.name, reason, "; ".join(map(_unmatched, self.patterns)))
+            return self.interval
         failures = []
         for path in paths:
             try:
@@ -149,9 +148,10 @@ class LogSource:
                 failures.append(f"{path}: {err.strerror or err}")
         duration = time.monotonic() - started
         if failures:
-            self.tracker.source_failed(self.source, "read_error", "; ".join(failures), duration=duration)
+            self.tracker.source_failed(self.name, "read_error", "; ".join(failures), duration=duration)
         else:
-            self.tracker.source_succeeded(self.source, duration)
+            self.tracker.source_succeeded(self.name, duration)
+        return self.interval
 
     def _open(self, path: str) -> _Followed:
         handle = open(path, "rb")  # noqa: SIM115 - kept open across polls, closed on rotation/stop
@@ -184,7 +184,7 @@ class LogSource:
             followed.offset = 0
             followed.generation += 1
             detail = f"{path} truncated (generation {followed.generation}): verl reopens it on a restart"
-            self.tracker.restart_hint(Evidence(self.source, "file_truncated", path, time.time(), detail))
+            self.tracker.restart_hint(Evidence(self.name, "file_truncated", path, self._clock(), detail))
             self._drain(followed)
 
     def _drain(self, followed: _Followed) -> None:
@@ -206,15 +206,15 @@ class LogSource:
         cursor = {"inode": list(followed.inode), "offset": end, "generation": followed.generation}
         self.tracker.ingest(
             events,
-            self.source,
+            self.name,
             cursors=[(self._cursor_key(followed.path), cursor)],
-            log_lines=outcomes if self.source == SOURCE else None,  # tqmon_log_lines_total is the trainer log's
+            log_lines=outcomes if self.name is SourceName.LOG else None,  # only the trainer log's lines are tallied
         )
         followed.offset = end  # only once stored: a refused commit (state dir full) is read again next poll
         if errors:
-            self.tracker.source_error(self.source, "malformed_line", len(errors))
+            self.tracker.source_error(self.name, "malformed_line", len(errors))
             for message in errors[:5]:
-                log.warning("skipped malformed %s line: %s", self.source, message)
+                log.warning("skipped malformed %s line: %s", self.name, message)
 
     def _cursor_key(self, path: str) -> str:
-        return f"{self.source}:{os.path.abspath(path)}"
+        return f"{self.name}:{os.path.abspath(path)}"

@@ -19,18 +19,19 @@ import logging
 import multiprocessing
 import os
 import signal
-import threading
 import time
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from typing import Any
 
-from tqmon.catalog import AGE_BUCKETS, PARTITIONS
+from tqmon.catalog import AGE_BUCKETS
 from tqmon.composition import Composition, CompositionError, compose
-from tqmon.snapshot import TQPollView, WindowView
+from tqmon.snapshot import SourceName, TQPollView, WindowView
+from tqmon.sources.polling import PollingLoop
 from tqmon.tracker import Tracker
+from tqmon.warmup import PARTITIONS
 
-SOURCE = "tq"
 CONTROLLER_NAME = "TransferQueueController"
 CONTROLLER_NAMESPACE = "transfer_queue"
 TRAIN = "train"
@@ -43,23 +44,29 @@ class TQUnavailable(Exception):
     """The cluster or the controller cannot be reached (yet); the message says which."""
 
 
-@dataclass
-class PollBudget:
-    """Chooses the next poll interval from what polls cost.
+def _poll_setting(default: float, help: str) -> Any:
+    """A ``PollSettings`` field that is the ``tqmon serve --tq-<name>`` flag."""
+    return field(default=default, metadata={"help": help})
 
-    ``kv_list`` runs on the controller's only request thread, so each poll stalls the trainer's own TQ
-    calls for about as long as it takes. tqmon keeps ``cost / interval`` under ``budget``: steady polling
-    at ``max_interval``, the fast end (``min_interval``) for ``fast_period`` seconds after a resume, and
-    slower than both when the budget demands it (the budget always wins: the trainer comes first).
-    """
 
-    budget: float = 0.01
-    min_interval: float = 1.0
-    max_interval: float = 15.0
-    fast_period: float = 300.0
-    smoothing: float = 0.3
-    cost: float | None = None  # smoothed seconds per kv_list
-    fast_until: float = 0.0
+@dataclass(frozen=True)
+class PollSettings:
+    """How tqmon may load the controller: ``kv_list`` runs on its only request thread, so each poll stalls
+    the trainer's own TQ calls for about as long as it takes."""
+
+    budget: float = _poll_setting(
+        0.01,
+        "Largest share of the TQ controller's request thread tqmon's kv_list polls may take (0.01 = 1%); "
+        "wins over --tq-max-interval.",
+    )
+    min_interval: float = _poll_setting(
+        1.0, "Fastest poll interval, used for --tq-fast-period seconds after a resume or a new controller."
+    )
+    max_interval: float = _poll_setting(15.0, "Steady poll interval, unless the budget needs longer.")
+    fast_period: float = _poll_setting(
+        300.0, "Seconds of fast polling after a resume is detected (when the window matters most)."
+    )
+    smoothing: float = 0.3  # weight of the newest poll's cost in the running estimate
 
     def validate(self) -> None:
         if not 0 < self.budget <= 1:
@@ -71,16 +78,31 @@ class PollBudget:
         if self.fast_period < 0:
             raise ValueError(f"--tq-fast-period must not be negative, got {self.fast_period}")
 
+
+@dataclass
+class PollBudget:
+    """Chooses the next poll interval from what polls cost (the poller's run-time state).
+
+    tqmon keeps ``cost / interval`` under ``settings.budget``: steady polling at ``max_interval``, the fast
+    end (``min_interval``) for ``fast_period`` seconds after a resume, and slower than both when the
+    budget demands it (the budget always wins: the trainer comes first).
+    """
+
+    settings: PollSettings = field(default_factory=PollSettings)
+    cost: float | None = None  # smoothed seconds per kv_list
+    fast_until: float = 0.0
+
     def record(self, seconds: float) -> None:
-        self.cost = seconds if self.cost is None else self.smoothing * seconds + (1 - self.smoothing) * self.cost
+        weight = self.settings.smoothing
+        self.cost = seconds if self.cost is None else weight * seconds + (1 - weight) * self.cost
 
     def hurry(self, now: float) -> None:
         """A resume (or a new controller) was seen: the window matters most now."""
-        self.fast_until = now + self.fast_period
+        self.fast_until = now + self.settings.fast_period
 
     def interval(self, now: float, last_cost: float = 0.0) -> float:
-        floor = max(self.cost or 0.0, last_cost) / self.budget
-        wanted = self.min_interval if now < self.fast_until else self.max_interval
+        floor = max(self.cost or 0.0, last_cost) / self.settings.budget
+        wanted = self.settings.min_interval if now < self.fast_until else self.settings.max_interval
         return max(wanted, floor)
 
     def busy_ratio(self, interval: float) -> float | None:
@@ -114,7 +136,7 @@ def _window(
     buckets, age_sum = c.age_histogram(step, AGE_BUCKETS) if step is not None else (None, None)
     return WindowView(
         partition,
-        SOURCE,
+        SourceName.TQ,
         observed_at,
         c.by_status,
         trajectories=c.trajectories,
@@ -223,11 +245,16 @@ class Reading:
     cost: float  # seconds kv_list took
 
 
+# Every failure a poll expects, by the source error reason it is counted under (and sent across the pipe as).
 _ERRORS: dict[str, type[Exception]] = {
     "unavailable": TQUnavailable,
     "timeout": TimeoutError,
     "invalid_data": CompositionError,
 }
+
+
+def error_kind(err: Exception) -> str:
+    return next((kind for kind, cls in _ERRORS.items() if isinstance(err, cls)), "unavailable")
 
 
 def read_controller(client: ControllerClient, kv_timeout: float) -> Reading:
@@ -252,8 +279,7 @@ def _poller_main(conn: Connection, address: str, timeout: float) -> None:
         try:
             answer: Reading | tuple[str, str] = read_controller(client, kv_timeout)
         except (TQUnavailable, TimeoutError, CompositionError) as err:
-            kind = next(k for k, cls in _ERRORS.items() if isinstance(err, cls))
-            answer = (kind, str(err))
+            answer = (error_kind(err), str(err))
         except Exception as err:  # report a bug as this poll's failure; the next request tries again
             answer = ("unavailable", f"{type(err).__name__}: {err}")
         conn.send(answer)
@@ -275,7 +301,8 @@ class PollerProcess:
         if self._process is None or not self._process.is_alive():
             self._start()
         conn, process = self._conn, self._process  # close() may run concurrently (tqmon stopping)
-        assert conn is not None and process is not None
+        if conn is None or process is None:
+            raise TQUnavailable("the TQ poller process was stopped")
         wait = 2 * self.timeout + kv_timeout + (STARTUP_GRACE if self._fresh else 5.0)
         try:
             conn.send(kv_timeout)
@@ -323,53 +350,50 @@ class PollerProcess:
 class TQSource:
     """Polls the controller on a thread; publishes live windows, or drops them the moment it is lost."""
 
-    def __init__(self, tracker: Tracker, poller: PollerProcess, budget: PollBudget) -> None:
+    name = SourceName.TQ
+
+    def __init__(
+        self, tracker: Tracker, poller: PollerProcess, budget: PollBudget, clock: Callable[[], float] = time.time
+    ) -> None:
         self.tracker = tracker
         self.poller = poller
         self.budget = budget
         self.controller_id: str | None = None
-        self._records_seen = tracker.snapshot.records_total
+        self._clock = clock
+        self._starts_seen = tracker.progress().starts
         self._epochs = tracker.controller_epochs()
         self._lost = False
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="tqmon-tq", daemon=True)
-        tracker.register_source(SOURCE, stale_after=self.horizon(budget.max_interval))
-        tracker.drop_windows(SOURCE, self._view(budget.max_interval, None))
+        self._loop = PollingLoop(self.name, tracker, self.poll, budget.settings.max_interval, interrupt=poller.close)
+        tracker.register_source(
+            self.name, stale_after=self.horizon(budget.settings.max_interval), watching=f"Ray cluster {poller.address}"
+        )
+        tracker.drop_windows(self.name, self._view(budget.settings.max_interval, None))
 
     def start(self) -> None:
-        self._thread.start()
+        self._loop.start()
 
     def stop(self) -> None:
-        self._stop.set()
-        self.poller.close()  # ends a poll in flight: its read fails at once
-        self._thread.join(timeout=15)
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            self._stop.wait(self.poll())
+        self._loop.stop()
 
     def poll(self) -> float:
-        """One poll; returns the seconds to wait before the next. Never raises."""
+        """One poll; returns the seconds to wait before the next."""
         started = time.monotonic()
         try:
             reading = self.poller.read(self.kv_list_timeout())
-            self.controller_id = reading.controller_id
-            if reading.new_controller:
-                self._new_epoch()
-            self.budget.record(reading.cost)
-            snapshot = self.tracker.snapshot
-            interval = self.budget.interval(time.time(), reading.cost)
-            horizon = self.horizon(interval)
-            windows = windows_of(reading.compositions, snapshot.trainer_step, time.time(), horizon)
         except (TQUnavailable, TimeoutError, CompositionError) as err:
             return self._failed(err, time.monotonic() - started)
-        except Exception as err:  # a bug must not kill the thread or leave stale windows served
-            log.exception("tq poll failed")
-            return self._failed(err, time.monotonic() - started)
-        self._maybe_hurry(snapshot.records_total)
+        self.controller_id = reading.controller_id
+        if reading.new_controller:
+            self._new_epoch()
+        self.budget.record(reading.cost)
+        progress = self.tracker.progress()
+        interval = self.budget.interval(self._clock(), reading.cost)
+        horizon = self.horizon(interval)
+        windows = windows_of(reading.compositions, progress.step, self._clock(), horizon)
+        self._maybe_hurry(progress.starts)
         self._lost = False
         self.tracker.observe_windows(windows, self._view(interval, reading.keys))
-        self.tracker.source_succeeded(SOURCE, time.monotonic() - started, stale_after=horizon)
+        self.tracker.source_succeeded(self.name, time.monotonic() - started, stale_after=horizon)
         return interval
 
     def kv_list_timeout(self) -> float:
@@ -383,23 +407,22 @@ class TQSource:
     def _new_epoch(self) -> None:
         controller = self.controller_id or ""
         self._epochs = self.tracker.controller_epoch(controller, f"TransferQueue controller {controller} found")
-        self.budget.hurry(time.time())
+        self.budget.hurry(self._clock())
         log.info("watching TransferQueue controller %s (epoch %d)", controller, self._epochs)
 
-    def _maybe_hurry(self, records_total: int) -> None:
-        if records_total != self._records_seen:
-            self._records_seen = records_total
-            self.budget.hurry(time.time())
+    def _maybe_hurry(self, starts: int) -> None:
+        if starts != self._starts_seen:
+            self._starts_seen = starts
+            self.budget.hurry(self._clock())
 
     def _failed(self, err: Exception, duration: float) -> float:
-        reason = {TimeoutError: "timeout", CompositionError: "invalid_data"}.get(type(err), "unavailable")
         if not self._lost and self.controller_id is not None:
             self._lost = True
-            self.budget.hurry(time.time())  # a lost controller usually means a restart is coming: watch closely
-        interval = self.budget.interval(time.time())
-        self.tracker.drop_windows(SOURCE, self._view(interval, None))
-        self.tracker.source_failed(SOURCE, reason, f"{type(err).__name__}: {err}", duration=duration)
-        return min(interval, self.budget.max_interval)
+            self.budget.hurry(self._clock())  # a lost controller usually means a restart is coming: watch closely
+        interval = self.budget.interval(self._clock())
+        self.tracker.drop_windows(self.name, self._view(interval, None))
+        self.tracker.source_failed(self.name, error_kind(err), f"{type(err).__name__}: {err}", duration=duration)
+        return min(interval, self.budget.settings.max_interval)
 
     def _view(self, interval: float, keys: int | None) -> TQPollView:
         return TQPollView(

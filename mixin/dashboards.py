@@ -1,15 +1,14 @@
 """The Grafana dashboards, built with grafana-foundation-sdk (Grafana 11.6 schema).
 
-``python -m tqmon.dashboards`` writes ``grafana/dashboards/tqmon-resume.json`` (one run: health, the last
+``python -m mixin.dashboards`` writes ``grafana/dashboards/tqmon-resume.json`` (one run: health, the last
 resume's numbers, the live window against its target) and ``grafana/dashboards/tqmon-fleet.json`` (every
-run in one table). Both are committed, drift-checked and linted by ``tqmon.dashlint`` in the tests.
+run in one table). Both are committed, drift-checked and linted by ``mixin.dashlint`` in the tests.
 """
 
 from __future__ import annotations
 
 import json
 import sys
-from pathlib import Path
 from typing import Any, Protocol, Self, TypeVar
 
 from grafana_foundation_sdk.builders import common as common_builders
@@ -36,7 +35,7 @@ from grafana_foundation_sdk.models.dashboard import (
 )
 from grafana_foundation_sdk.models.prometheus import PromQueryFormat
 
-from tqmon.dashlint import DATASOURCE_UID
+from mixin.repo import write
 from tqmon.rules import (
     DOOMED_TOTAL,
     FILL_RATIO,
@@ -47,7 +46,8 @@ from tqmon.rules import (
     WINDOW_DEFICIT,
 )
 
-DASHBOARD_DIR = Path(__file__).resolve().parent.parent / "grafana" / "dashboards"
+DASHBOARD_DIR = "grafana/dashboards"
+DATASOURCE_UID = "${datasource}"  # every panel and target uses the dashboard's datasource variable
 DATASOURCE = DataSourceRef(type_val="prometheus", uid=DATASOURCE_UID)
 SEL = 'job=~"$job",instance=~"$instance"'
 TAGS = ["tqmon", "verl", "transferqueue"]
@@ -514,10 +514,8 @@ def load(text: str) -> dict[str, Any]:
 
 
 def main() -> int:
-    DASHBOARD_DIR.mkdir(parents=True, exist_ok=True)
     for name, text in rendered().items():
-        (DASHBOARD_DIR / name).write_text(text)
-        print(f"wrote {DASHBOARD_DIR / name}")
+        write(f"{DASHBOARD_DIR}/{name}", text)
     return 0
 
 

@@ -20,9 +20,9 @@ from typing import Any
 
 import yaml
 
+from mixin.dashboards import DATASOURCE_UID
 from tqmon.catalog import CATALOG, MetricType
 
-DATASOURCE_UID = "${datasource}"
 RATE_FUNCTIONS = frozenset({"rate", "irate", "increase"})
 RATE_WINDOW = "[$__rate_interval]"
 PROMETHEUS_SERIES = frozenset({"up", "ALERTS"})

@@ -1,0 +1,231 @@
+"""The reconciler alone: events in, resume records out, with no store, clock or thread.
+
+One table row per way a start can end up: every warmup state, under verl 0.9.1 and the legacy 0.9.0
+semantics. The config is verl's CPU-test trainer (train_batch_size 4, num_warmup_batches 3: T = 12).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+
+from tqmon.events import CheckpointSaved, GroupCount, parse_event
+from tqmon.reconcile import Reconciler, predict_resume
+from tqmon.snapshot import ResumeRecord
+from tqmon.warmup import GivenConfig, TrainerConfig, WarmupState, skip_reason
+
+T12 = {"train_batch_size": 4, "num_warmup_batches": 3}
+
+
+def ev(kind: str, **fields: Any) -> dict[str, Any]:
+    return {"type": kind, **fields}
+
+
+def resume(step: int, restored: int | None = None, **decision: Any) -> list[dict[str, Any]]:
+    """What the log says of a resume from global_step_N: the start, R if logged, the warmup if logged."""
+    events = [ev("training_started", resumed_from_step=step)]
+    if restored is not None:
+        events.append(ev("checkpoint_restored", restored_prompt_groups=restored))
+    if decision:
+        events.append(ev("warmup_decided", **decision))
+    return events
+
+
+@dataclass(frozen=True)
+class Case:
+    name: str
+    events: list[dict[str, Any]]
+    state: WarmupState
+    semantics: str = "verl-0.9.1"
+    mode: str = "colocate_async"
+    config: dict[str, Any] | None = field(default_factory=lambda: dict(T12))
+    expect: dict[str, Any] = field(default_factory=dict)  # record fields -> values
+
+
+CASES = [
+    Case(
+        "fresh start submits the whole window",
+        [ev("training_started"), ev("warmup_decided", target_prompt_groups=12, submitted_prompt_groups=12)],
+        WarmupState.FRESH_START,
+        expect={"restored": 0, "target": 12, "expected": 12, "submitted": 12, "under_submitted": 0},
+    ),
+    Case(
+        "a partial restore is topped up to T",
+        resume(40, 9, target_prompt_groups=12, restored_prompt_groups=9, submitted_prompt_groups=3),
+        WarmupState.TOPPED_UP,
+        expect={"restored": 9, "expected": 3, "submitted": 3, "over_restored": 0, "under_submitted": 0},
+    ),
+    Case(
+        "a full restore skips the warmup",
+        resume(40, 12, target_prompt_groups=12, submitted_prompt_groups=0, skip_reason="window_full"),
+        WarmupState.SKIPPED_FULL,
+        expect={"restored": 12, "expected": 0, "submitted": 0, "over_restored": 0},
+    ),
+    Case(
+        "an over-restore skips the warmup and keeps the surplus",
+        resume(40, 20, target_prompt_groups=12, submitted_prompt_groups=0, skip_reason="window_full"),
+        WarmupState.SKIPPED_OVER_RESTORED,
+        expect={"restored": 20, "over_restored": 8, "under_submitted": 0},
+    ),
+    Case(
+        "skip.rollout_tq: verl logs nothing, the config says disabled",
+        resume(40, 5),
+        WarmupState.DISABLED,
+        config=T12 | {"skip_rollout_tq": True},
+        expect={"target": None, "submitted": 0, "expected": 0},
+    ),
+    Case(
+        "a plugin reports a non-positive warmup",
+        resume(40, 5, restored_prompt_groups=5, submitted_prompt_groups=0, skip_reason="non_positive_warmup"),
+        WarmupState.DISABLED,
+        config=T12 | {"num_warmup_batches": 0},
+        expect={"target": 0, "submitted": 0},
+    ),
+    Case(
+        "sync mode restores no TransferQueue state",
+        resume(40),
+        WarmupState.SYNC_MODE,
+        mode="sync",
+        expect={"restored": 0, "target": 0, "submitted": 0, "doomed": {"failure": 0, "stale": 0, "filtered": 0}},
+    ),
+    Case(
+        "verl 0.9.0 logs whole warmup batches on top of the restore",
+        resume(40, 9, legacy_warmup_batches=3),
+        WarmupState.LEGACY_UNCONDITIONAL,
+        semantics="verl-0.9.0",
+        expect={"restored": 9, "expected": 3, "submitted": 12, "over_restored": 0},
+    ),
+    Case(
+        "a full-window top-up of a non-empty restore is the 0.9.0 signature",
+        resume(40, 9, target_prompt_groups=12, submitted_prompt_groups=12),
+        WarmupState.LEGACY_UNCONDITIONAL,
+        semantics="verl-0.9.0",
+        expect={"submitted": 12, "expected": 3},
+    ),
+    Case(
+        "R grown by exactly T between resumes is the 0.9.0 signature",
+        [*resume(40, 12), ev("step_completed", global_step=41), *resume(50, 24)],
+        WarmupState.LEGACY_UNCONDITIONAL,
+        semantics="verl-0.9.0",
+        expect={"checkpoint_step": 50, "restored": 24, "over_restored": 12},
+    ),
+    Case(
+        "run_started names verl 0.9.0: the semantics follow the version",
+        [
+            ev("run_started", run_id="r", trainer_mode="colocate_async", verl_version="0.9.0", config=T12),
+            *resume(40, 9, target_prompt_groups=12, submitted_prompt_groups=3),
+        ],
+        WarmupState.TOPPED_UP,
+        semantics="verl-0.9.0",
+        config=None,
+        expect={"run_id": "r", "expected": 3},
+    ),
+    Case(
+        "without a config or a warmup line nothing is decided",
+        resume(40, 9),
+        WarmupState.UNKNOWN,
+        config=None,
+        expect={"restored": 9, "target": None, "expected": None, "submitted": None, "under_submitted": None},
+    ),
+]
+
+
+def fold(events: list[dict[str, Any]], given: GivenConfig | None, source: str = "log") -> Reconciler:
+    state = Reconciler(given)
+    for index, raw in enumerate(events):
+        state.apply(parse_event({"id": f"e{index}", **raw}), source, 1000.0 + index)
+    return state
+
+
+@pytest.mark.parametrize("case", CASES, ids=[case.name for case in CASES])
+def test_warmup_state_and_semantics(case: Case) -> None:
+    given = None if case.config is None else GivenConfig(case.mode, TrainerConfig(**case.config), "flags")
+    record = fold(case.events, given).records[-1]
+    assert (record.warmup_state, record.semantics) == (case.state, case.semantics)
+    assert {name: getattr(record, name) for name in case.expect} == case.expect
+
+
+def test_the_table_covers_every_state_and_both_semantics() -> None:
+    assert {case.state for case in CASES} == set(WarmupState)
+    assert {case.semantics for case in CASES} == {"verl-0.9.0", "verl-0.9.1"}
+
+
+COMPOSITION = [
+    GroupCount(status="pending", global_steps=40, count=2),
+    GroupCount(status="running", global_steps=40, count=1),
+    GroupCount(status="finished", global_steps=40, count=3),
+    GroupCount(status="finished", global_steps=30, count=4),  # sampled at 41: 41 - 30 + 1 > 8, stale
+    GroupCount(status="failure", global_steps=39, count=2),
+]
+
+
+def saved(step: int = 40) -> CheckpointSaved:
+    return CheckpointSaved(id=f"checkpoint:{step}", step=step, groups=COMPOSITION)
+
+
+def test_a_bare_log_resume_is_completed_from_the_checkpoint_it_loaded() -> None:
+    given = GivenConfig("colocate_async", TrainerConfig(**T12), "flags")
+    state = Reconciler(given)
+    state.apply(saved(), "checkpoint", 900.0)
+    for index, raw in enumerate(resume(40, 12, target_prompt_groups=12, restored_prompt_groups=12)):
+        state.apply(parse_event({"id": f"e{index}", **raw}), "log", 1000.0 + index)
+    [record] = state.records
+    assert record.restored_by_status == {"pending": 2, "running": 1, "finished": 7, "failure": 2}
+    assert record.doomed == {"failure": 2, "stale": 4, "filtered": 0}
+    assert record.expected == 0
+    assert [e.source for e in record.evidence][-1] == "checkpoint"
+
+
+@pytest.mark.parametrize(
+    ("mode", "config"),
+    [
+        *((mode, config) for mode in ("colocate_async", "sync") for config in (T12, T12 | {"num_warmup_batches": 5})),
+        ("colocate_async", T12 | {"skip_rollout_tq": True}),
+        ("colocate_async", None),  # without a config the mode is unknown: R, K and the failures only
+    ],
+)
+def test_the_preflight_predicts_what_the_tracker_derives(mode: str, config: dict[str, Any] | None) -> None:
+    """``tqmon inspect`` and the live record take one path: predicting a resume from a checkpoint gives
+    the record the reconciler derives once verl reports that resume as the plugin does."""
+    trainer = None if config is None else TrainerConfig(**config)
+    warmup = None if trainer is None else trainer.warmup_config(mode)
+    predicted = predict_resume(saved(), reissued=3, cleared=5, config=warmup)
+
+    given = None if trainer is None else GivenConfig(mode, trainer, "flags")
+    state = Reconciler(given)
+    state.apply(saved(), "checkpoint", 900.0)
+    events = [ev("training_started", resumed_from_step=40)]
+    if mode != "sync":  # verl restores and re-issues TransferQueue state in the async modes only
+        groups = [g.model_dump() for g in COMPOSITION]
+        events.append(ev("checkpoint_restored", step=40, restored_prompt_groups=12, groups=groups))
+        events.append(ev("inflight_reissued", step=41, reissued_prompt_groups=3, cleared_trajectories=5))
+    if warmup is not None:  # the plugin reports every decision, a skip with its reason
+        if predicted.submitted:
+            said = {"target_prompt_groups": predicted.target, "submitted_prompt_groups": predicted.submitted}
+            events.append(ev("warmup_decided", **said))
+        else:
+            events.append(ev("warmup_decided", submitted_prompt_groups=0, skip_reason=skip_reason(warmup)))
+    for index, raw in enumerate(events):
+        state.apply(parse_event({"id": f"e{index}", **raw}), "events", 1000.0 + index)
+    live = state.records[-1]
+
+    fields: tuple[str, ...] = ("restored", "reissued", "target", "expected", "submitted", "over_restored", "doomed")
+    fields += ("under_submitted",)
+    if warmup is not None:
+        fields += ("warmup_state",)  # without a config, verl's decision is unknown until it is reported
+    assert _pick(predicted, fields) == _pick(live, fields)
+
+
+def _pick(record: ResumeRecord, names: tuple[str, ...]) -> dict[str, Any]:
+    return {name: getattr(record, name) for name in names}
+
+
+def test_a_second_source_corroborates_rather_than_opening_a_new_start() -> None:
+    decided = ev("warmup_decided", target_prompt_groups=12, restored_prompt_groups=9, submitted_prompt_groups=3)
+    state = fold(resume(40, 9, **decided | {"type": "warmup_decided"}), None)
+    state.apply(parse_event({"id": "plugin", **decided}), "events", 2000.0)
+    assert len(state.records) == 1  # the plugin said what the log said: the same start
+    state.apply(parse_event({"id": "log-again", **decided}), "log", 2001.0)
+    assert len(state.records) == 2  # the log deciding twice is a second start

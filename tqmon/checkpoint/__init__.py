@@ -1,0 +1,1 @@
+"""Reading verl's checkpoint dir safely, and predicting the resume from it."""

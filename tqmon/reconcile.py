@@ -1,0 +1,522 @@
+"""Folds every source's events into observations of trainer starts and derives one resume record per start.
+
+The middle of the pipeline: sources produce events, this module reconciles them, the tracker keeps the
+result and publishes it. Nothing here does I/O, reads a clock or takes a lock: given the same events (with
+their receive times) it reaches the same state, which is why the tracker can rebuild it by replaying the
+store, and why ``tqmon inspect`` predicts a resume with the very derivation the metrics use
+(:func:`predict_resume`).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field, replace
+from statistics import fmean
+from typing import Any
+
+from tqmon.events import (
+    CheckpointRestored,
+    CheckpointSaved,
+    Event,
+    GroupCount,
+    InflightReissued,
+    RunStarted,
+    StepCompleted,
+    TrainingStarted,
+    WarmupDecided,
+    WindowObserved,
+    restored_groups,
+    status_counts,
+)
+from tqmon.snapshot import CheckpointView, Evidence, ResumeRecord, RunInfo, SourceName, WindowView
+from tqmon.warmup import (
+    DOOM_REASONS,
+    PROMPT_STATUSES,
+    GivenConfig,
+    TrainerConfig,
+    WarmupConfig,
+    WarmupState,
+    decide_warmup,
+    is_legacy_growth,
+    is_legacy_unconditional,
+    is_legacy_version,
+    known_doomed,
+    legacy_submitted,
+    skip_reason,
+    target_window,
+    under_submitted,
+)
+
+STEP_RATE_WINDOW = 10  # steps averaged for the step duration
+KEPT_COMPOSITIONS = 16  # checkpoint compositions kept for matching resumes to what they loaded
+RESTART_CLAIM_SECONDS = 600.0  # a restart hint and a start reported this close together are one restart
+
+_SKIP_STATES = {
+    "sync_mode": WarmupState.SYNC_MODE,
+    "skip_rollout_tq": WarmupState.DISABLED,
+    "non_positive_warmup": WarmupState.DISABLED,
+}
+
+Composition = tuple[CheckpointSaved, str, float]  # a checkpoint_saved event with a split, its source, when
+
+
+@dataclass
+class Observed:
+    """What the sources said about one start; everything else in a record is derived from it."""
+
+    index: int
+    resumed: bool
+    started_at: float
+    run_id: str
+    checkpoint_step: int | None = None
+    restored: int | None = None
+    by_status: dict[str, int] | None = None
+    groups: list[GroupCount] | None = None
+    reissued: int | None = None
+    cleared: int | None = None
+    target: int | None = None
+    submitted: int | None = None
+    skip_reason: str | None = None
+    legacy_batches: int | None = None
+    first_step_evictions: dict[str, int] | None = None
+    first_step_wait: float | None = None
+    evidence: list[Evidence] = field(default_factory=list)
+
+    @property
+    def decided(self) -> bool:
+        """The warmup already reported its decision."""
+        return self.submitted is not None or self.skip_reason is not None or self.legacy_batches is not None
+
+    @property
+    def sealed(self) -> bool:
+        """A start is over once its first step completed; later events belong to a new start."""
+        return self.first_step_evictions is not None
+
+
+# ---------------------------------------------------------------- deriving a record
+
+
+def derive_record(
+    obs: Observed,
+    config: WarmupConfig | None,
+    previous_restored: int | None,
+    verl_version: str = "",
+) -> ResumeRecord:
+    """Compute T, M expected, O, doomed, the deficit and the warmup state from what was observed.
+
+    ``verl_version`` (from ``run_started``) names the semantics when no log line or count betrays them.
+    """
+    restored = obs.restored
+    if restored is None and config is not None and not restores_tq(config):
+        restored = 0
+    if restored is None and obs.resumed is False:
+        restored = 0  # a fresh start restores nothing
+    target = obs.target if obs.target is not None else window_target(config)
+
+    predicted = decide_warmup(config, restored, resumed=obs.resumed) if config and restored is not None else None
+    if predicted is not None and obs.target is not None and predicted.target != obs.target:
+        predicted = None  # the trainer ran with another config than tqmon knows: what it logged wins
+    expected: int | None = None
+    if predicted is not None:
+        expected = predicted.submitted
+    elif target is not None and restored is not None:
+        expected = max(0, target - restored)
+
+    submitted = obs.submitted
+    if submitted is None and predicted is not None and not predicted.logged and not obs.legacy_batches:
+        submitted = predicted.submitted  # verl logs nothing when the warmup is off: the config is the evidence
+    semantics = "verl-0.9.0" if is_legacy_version(verl_version) else "verl-0.9.1"
+    if obs.legacy_batches is not None:
+        semantics = "verl-0.9.0"
+        submitted = legacy_submitted(config, obs.legacy_batches) if config else None
+
+    state = warmup_state(obs, restored, target, submitted, predicted.state if predicted else None, previous_restored)
+    if state is WarmupState.LEGACY_UNCONDITIONAL:
+        semantics = "verl-0.9.0"
+
+    doomed = _doomed(obs, config, restored)
+    under = None
+    if target is not None and restored is not None and submitted is not None:
+        # Unknown doom reasons count as 0, so with a bare log this is a lower bound of the deficit.
+        lost = sum((doomed or {}).values())
+        under = under_submitted(target, restored, min(lost, restored), submitted)
+    reissued, cleared = obs.reissued, obs.cleared
+    if reissued is None and (not obs.resumed or obs.decided or obs.sealed):
+        # verl re-issues before the warmup and logs nothing when there was nothing in flight.
+        reissued, cleared = 0, 0
+
+    by_status: dict[str, int] | None = None
+    if obs.by_status is not None:
+        by_status = dict(obs.by_status)
+    elif restored == 0:
+        by_status = dict.fromkeys(PROMPT_STATUSES, 0)  # nothing restored: every status is known-empty
+    elif restored is not None:
+        by_status = {"unknown": restored}
+
+    return ResumeRecord(
+        index=obs.index,
+        resumed=obs.resumed,
+        started_at=obs.started_at,
+        run_id=obs.run_id,
+        checkpoint_step=obs.checkpoint_step if obs.resumed else 0,
+        restored=restored,
+        restored_by_status=by_status,
+        reissued=reissued,
+        cleared_trajectories=cleared,
+        target=target,
+        expected=expected,
+        submitted=submitted,
+        over_restored=max(0, restored - target) if restored is not None and target is not None else None,
+        doomed=doomed,
+        under_submitted=under,
+        warmup_state=state,
+        semantics=semantics,
+        first_step_evictions=obs.first_step_evictions,
+        first_step_generation_wait_seconds=obs.first_step_wait,
+        evidence=tuple(obs.evidence),
+    )
+
+
+def warmup_state(
+    obs: Observed,
+    restored: int | None,
+    target: int | None,
+    submitted: int | None,
+    predicted: WarmupState | None,
+    previous_restored: int | None,
+) -> WarmupState:
+    """What the warmup did, from what was reported first and from the config where verl logs nothing."""
+    if predicted is WarmupState.SYNC_MODE or obs.skip_reason == "sync_mode":
+        return WarmupState.SYNC_MODE
+    if obs.legacy_batches is not None:
+        return WarmupState.LEGACY_UNCONDITIONAL
+    if (
+        restored is not None
+        and target is not None
+        and submitted is not None
+        and is_legacy_unconditional(restored, target, submitted)
+    ):
+        return WarmupState.LEGACY_UNCONDITIONAL
+    if obs.skip_reason in _SKIP_STATES:
+        return _SKIP_STATES[obs.skip_reason]
+    decided = obs.skip_reason is not None or submitted is not None
+    if (
+        not decided
+        and restored is not None
+        and target is not None
+        and previous_restored is not None
+        and is_legacy_growth(previous_restored, restored, target)
+    ):
+        return WarmupState.LEGACY_UNCONDITIONAL
+    if decided and restored is not None:
+        if submitted:
+            return WarmupState.TOPPED_UP if obs.resumed else WarmupState.FRESH_START
+        if target is not None:
+            return WarmupState.SKIPPED_OVER_RESTORED if restored > target else WarmupState.SKIPPED_FULL
+    if predicted in (WarmupState.DISABLED, WarmupState.SYNC_MODE):
+        return predicted  # verl logs nothing for these: the config is the evidence
+    return WarmupState.UNKNOWN
+
+
+def _doomed(obs: Observed, config: WarmupConfig | None, restored: int | None) -> dict[str, int] | None:
+    """Doomed restored groups by the reasons that are known; None when none is."""
+    if restored == 0:
+        return dict.fromkeys(DOOM_REASONS, 0)
+    groups = restored_groups(obs.groups) if obs.groups is not None and obs.checkpoint_step is not None else None
+    return known_doomed(config, status_counts(obs.by_status, obs.groups), groups, obs.checkpoint_step or 0)
+
+
+def restores_tq(config: WarmupConfig | None) -> bool:
+    """verl loads TransferQueue state on a resume in the async modes only (sync mode keeps no window)."""
+    return config is None or config.trainer_mode != "sync"
+
+
+def window_target(config: WarmupConfig | None) -> int | None:
+    """T, or None where no window is kept (``skip.rollout_tq`` replays cached rollouts instead); sync mode
+    keeps none either, and verl's warmup counts its T as 0 there."""
+    if config is None or config.skip_rollout_tq:
+        return None
+    return target_window(config) if restores_tq(config) else 0
+
+
+def with_checkpoint(obs: Observed, saved: Composition | None, config: WarmupConfig | None) -> Observed:
+    """A resume whose log gave only a total (or nothing: verl 0.9.0), completed from the checkpoint it loaded.
+
+    ``tq.load_checkpoint(global_step_N)`` restores exactly that checkpoint's composition, so when the
+    checkpoint source read it (and the totals agree), R's split by status and step is known too.
+    """
+    if saved is None or not obs.resumed or obs.by_status is not None or obs.groups is not None:
+        return obs
+    event, source, at = saved
+    statuses = event.status_counts()
+    if statuses is None or event.step != obs.checkpoint_step or not restores_tq(config):
+        return obs
+    total = sum(statuses.values())
+    if obs.restored not in (None, total):
+        return obs  # the trainer restored something else: the log's total stands
+    evidence = Evidence(source, event.type, event.id, at, f"composition of global_step_{event.step}: {statuses}")
+    return replace(obs, restored=total, by_status=statuses, groups=event.groups, evidence=[*obs.evidence, evidence])
+
+
+def checkpoint_doomed(event: CheckpointSaved, config: WarmupConfig | None) -> dict[str, int] | None:
+    """Doomed groups of a resume from this checkpoint; None when the checkpoint's composition is unknown."""
+    statuses = event.status_counts()
+    if statuses is None:
+        return None
+    groups = restored_groups(event.groups) if event.groups is not None else None
+    return known_doomed(config, statuses, groups, event.step)
+
+
+def predict_resume(saved: CheckpointSaved, reissued: int, cleared: int, config: WarmupConfig | None) -> ResumeRecord:
+    """The record a resume from ``saved`` gets once verl has reported it, before it happens.
+
+    The checkpoint gives R's composition and K; the config gives the warmup decision, which verl logs (or
+    not) exactly as :func:`tqmon.warmup.decide_warmup` says. :func:`derive_record` does the rest, as for a
+    live resume.
+    """
+    at = saved.timestamp(0.0)
+    obs = Observed(index=0, resumed=True, started_at=at, run_id="", checkpoint_step=saved.step)
+    obs = with_checkpoint(obs, (saved, SourceName.CHECKPOINT, at), config)
+    if obs.restored is not None:
+        obs.reissued, obs.cleared = reissued, cleared
+    if config is not None:
+        decision = decide_warmup(config, obs.restored or 0, resumed=True)
+        if decision.logged:
+            obs.target, obs.submitted = decision.target, decision.submitted
+        else:
+            obs.skip_reason = skip_reason(config)
+    return derive_record(obs, config, None)
+
+
+def corroborates(obs: Observed, source: str, event_type: str) -> bool:
+    """The same fact through a second door (the log and the verl plugin): another source already reported
+    it for this start and this one has not, so it belongs to this start rather than opening a new one."""
+    reporters = {evidence.source for evidence in obs.evidence if evidence.event_type == event_type}
+    return bool(reporters) and source not in reporters
+
+
+# ---------------------------------------------------------------- folding events
+
+
+class Reconciler:
+    """The fold of every applied event: run info, the open start, the records, the checkpoint, the windows.
+
+    Deterministic in its inputs (each event comes with the time it was received); the tracker owns one and
+    serialises the calls.
+    """
+
+    def __init__(self, given: GivenConfig | None = None) -> None:
+        self.run: RunInfo | None = None
+        self.warmup_config: WarmupConfig | None = None
+        self.records: list[ResumeRecord] = []
+        self.resumes = 0
+        self.trainer_step: int | None = None
+        self.trainer_last_event: float | None = None
+        self.windows: dict[str, WindowView] = {}
+        self.checkpoint: CheckpointView | None = None
+        self._observed: Observed | None = None
+        self._checkpoint_saved: tuple[CheckpointSaved, str] | None = None  # the event behind ``checkpoint``
+        self._restart_hint: Evidence | None = None  # a restart sign no start has claimed yet
+        self._step_seconds: deque[float] = deque(maxlen=STEP_RATE_WINDOW)
+        self._compositions: dict[int, Composition] = {}  # step -> a checkpoint's composition
+        if given is not None:  # run_started overrides it
+            self._set_run(RunInfo("", given.trainer_mode, "", given.config.model_dump(), given.origin), given.config)
+
+    @property
+    def step_seconds(self) -> float | None:
+        return fmean(self._step_seconds) if self._step_seconds else None
+
+    @property
+    def target_window(self) -> int | None:
+        """T of the newest start, or the config's while there is none (or it did not say)."""
+        last = self.records[-1] if self.records else None
+        return last.target if last is not None and last.target is not None else window_target(self.warmup_config)
+
+    def observe_windows(self, windows: Iterable[WindowView]) -> None:
+        """Live windows from a poller, each superseding its partition's last view."""
+        for window in windows:
+            self.windows[window.partition] = window
+
+    def drop_windows(self, source: str) -> None:
+        """Forget a source's windows: a lost controller's last reply must not be served as fresh."""
+        self.windows = {p: w for p, w in self.windows.items() if w.source != source}
+
+    def hint(self, evidence: Evidence) -> None:
+        """A sign of a trainer restart that is not itself a verl event (a new TQ controller, a truncated JSONL).
+
+        The open start gets it as evidence, or else the next one to open within
+        :data:`RESTART_CLAIM_SECONDS`, next to what the log and events say.
+        """
+        obs = self._observed
+        if obs is not None and not obs.sealed and abs(evidence.at - obs.started_at) <= RESTART_CLAIM_SECONDS:
+            obs.evidence.append(evidence)
+            self._rederive()
+        else:
+            self._restart_hint = evidence
+
+    def apply(self, event: Event, source: str, received_at: float) -> None:
+        at = event.timestamp(received_at)
+        # Freshness is judged on the arrival time: a trainer clock running ahead of tqmon's must not make data
+        # look newer than its arrival (docs/reliability.md, clock skew). Evidence keeps the trainer's time.
+        seen = min(at, received_at)
+        self.trainer_last_event = seen if self.trainer_last_event is None else max(self.trainer_last_event, seen)
+        evidence_of: Observed | None = None  # the start this event is evidence of
+        match event:
+            case RunStarted():
+                run = RunInfo(
+                    event.run_id, event.trainer_mode, event.verl_version, event.config.model_dump(), SourceName.EVENTS
+                )
+                self._set_run(run, event.config)
+                self._derive_checkpoint()  # its doomed groups depend on the config
+                if self._observed is not None and not self._observed.sealed:
+                    self._observed.run_id = event.run_id
+                    self._rederive()  # the open start now derives from this config
+            case TrainingStarted():
+                resumed = event.resumed_from_step is not None
+                evidence_of = self._attach(
+                    event.resumed_from_step,
+                    resumed,
+                    at,
+                    lambda o: o.resumed == resumed and (not o.decided or corroborates(o, source, event.type)),
+                )
+                if event.resumed_from_step is not None:
+                    self.trainer_step = event.resumed_from_step
+            case CheckpointRestored():
+                restored = event.restored_prompt_groups
+                evidence_of = self._attach(
+                    event.step,
+                    True,
+                    at,
+                    lambda o: o.restored in (None, restored) and (not o.decided or corroborates(o, source, event.type)),
+                )
+                evidence_of.restored = restored
+                evidence_of.by_status = event.status_counts() or evidence_of.by_status
+                evidence_of.groups = event.groups or evidence_of.groups
+            case InflightReissued():
+                step = None if event.step is None else max(0, event.step - 1)
+                evidence_of = self._attach(
+                    step, True, at, lambda o: o.reissued is None or corroborates(o, source, event.type)
+                )
+                evidence_of.reissued, evidence_of.cleared = event.reissued_prompt_groups, event.cleared_trajectories
+            case WarmupDecided():
+                evidence_of = self._attach(
+                    None,
+                    bool(event.restored_prompt_groups),
+                    at,
+                    lambda o: not o.decided or corroborates(o, source, event.type),
+                )
+                _take_decision(evidence_of, event)
+            case StepCompleted():
+                self.trainer_step = event.global_step
+                if event.step_seconds is not None:
+                    self._step_seconds.append(event.step_seconds)
+                obs = self._observed
+                if obs is not None and not obs.sealed:
+                    evicted = _str_keys(event.evicted_prompt_groups)
+                    obs.first_step_evictions = {r: evicted.get(r, 0) for r in DOOM_REASONS}
+                    obs.first_step_wait = event.generation_wait_seconds
+                    evidence_of = obs
+            case CheckpointSaved():
+                self._saved(event, source, at)
+            case WindowObserved():
+                self.windows[event.partition] = WindowView(event.partition, source, seen, _str_keys(event.by_status))
+        if evidence_of is not None:
+            evidence_of.evidence.append(Evidence(source, event.type, event.id, at, _describe(event)))
+            self._rederive()
+
+    def _saved(self, event: CheckpointSaved, source: str, at: float) -> None:
+        if source != SourceName.CHECKPOINT:  # the checkpoint dir may hold an older run's checkpoint
+            self.trainer_step = event.step
+        current = self.checkpoint
+        bare = event.status_counts() is None
+        if not bare:
+            self._compositions[event.step] = (event, source, at)
+            while len(self._compositions) > KEPT_COMPOSITIONS:
+                del self._compositions[min(self._compositions)]
+        # Never step back, and a bare log line never hides a composition read for the same step.
+        older = current is not None and event.step < current.step
+        if not older and not (bare and current is not None and current.step == event.step and current.by_status):
+            self._checkpoint_saved = (event, source)
+            self._derive_checkpoint()
+        if not bare:
+            self._rederive()  # the open start may have resumed from this very checkpoint
+
+    def _set_run(self, run: RunInfo, config: TrainerConfig) -> None:
+        self.run = run
+        self.warmup_config = config.warmup_config(run.trainer_mode)
+
+    def _attach(
+        self, checkpoint_step: int | None, resumed: bool, at: float, accepts: Callable[[Observed], bool]
+    ) -> Observed:
+        """The start an event belongs to: the open one if it is compatible, else a new one."""
+        obs = self._observed
+        if (
+            obs is not None
+            and not obs.sealed
+            and (checkpoint_step is None or obs.checkpoint_step in (None, checkpoint_step))
+            and accepts(obs)
+        ):
+            if obs.checkpoint_step is None:
+                obs.checkpoint_step = checkpoint_step
+            return obs
+        new = Observed(
+            index=len(self.records),
+            resumed=resumed,
+            started_at=at,
+            run_id=self.run.run_id if self.run else "",
+            checkpoint_step=checkpoint_step,
+        )
+        claim = self._restart_hint
+        if claim is not None and abs(at - claim.at) <= RESTART_CLAIM_SECONDS:
+            new.evidence.append(claim)
+        self._restart_hint = None
+        self._observed = new
+        self.records.append(self._derive(new))
+        self.resumes += resumed
+        return new
+
+    def _derive_checkpoint(self) -> None:
+        if self._checkpoint_saved is None:
+            return
+        event, source = self._checkpoint_saved
+        self.checkpoint = CheckpointView(
+            event.step,
+            source,
+            event.status_counts(),
+            checkpoint_doomed(event, self.warmup_config),
+            event.orphan_trajectories,
+        )
+
+    def _derive(self, obs: Observed) -> ResumeRecord:
+        previous = self.records[obs.index - 1].restored if obs.index > 0 else None
+        saved = self._compositions.get(obs.checkpoint_step) if obs.checkpoint_step is not None else None
+        completed = with_checkpoint(obs, saved, self.warmup_config)
+        return derive_record(completed, self.warmup_config, previous, self.run.verl_version if self.run else "")
+
+    def _rederive(self) -> None:
+        if self._observed is not None:
+            self.records[self._observed.index] = self._derive(self._observed)
+
+
+def _take_decision(obs: Observed, event: WarmupDecided) -> None:
+    """A second source's report of the same decision adds what it knows and keeps the rest."""
+    if event.target_prompt_groups is not None:
+        obs.target = event.target_prompt_groups
+    if event.restored_prompt_groups is not None and obs.restored is None:
+        obs.restored = event.restored_prompt_groups
+    if event.submitted_prompt_groups is not None:
+        obs.submitted = event.submitted_prompt_groups
+    if event.skip_reason is not None:
+        obs.skip_reason = event.skip_reason
+    if event.legacy_warmup_batches is not None:
+        obs.legacy_batches = event.legacy_warmup_batches
+
+
+def _str_keys(counts: Mapping[Any, int]) -> dict[str, int]:
+    return {str(key): value for key, value in counts.items()}
+
+
+def _describe(event: Event) -> str:
+    fields = event.model_dump(exclude={"id", "time", "type"}, exclude_none=True)
+    return ", ".join(f"{key}={value}" for key, value in fields.items())
