@@ -401,6 +401,47 @@ def _window_row(builder: dashboard.Dashboard) -> dashboard.Dashboard:
     )
 
 
+def _cost_row(builder: dashboard.Dashboard) -> dashboard.Dashboard:
+    """What each resume cost (ml-goodput-measurement's badput): each step of a line is one resume."""
+    return (
+        builder.with_row(dashboard.Row("Cost of the last resumes"))
+        .with_panel(
+            panel(
+                timeseries.Panel(),
+                "Steps lost",
+                "Steps trained after the loaded checkpoint and lost at the stop (last step before it minus N); "
+                "a gap where tqmon saw no step completions before the stop.",
+                "short",
+                query(f"tqmon_resume_lost_steps{{{SEL}}}", "steps lost"),
+                span=8,
+            )
+        )
+        .with_panel(
+            panel(
+                timeseries.Panel(),
+                "Downtime and time to first step",
+                "Downtime: last timestamped trainer line before the stop to the resume's first line. Time to first "
+                "step: from that line until the first step completed (restore, re-issue, warmup, the step).",
+                "s",
+                query(f"tqmon_resume_downtime_seconds{{{SEL}}}", "downtime"),
+                query(f"tqmon_resume_time_to_first_step_seconds{{{SEL}}}", "to first step"),
+                span=8,
+            )
+        )
+        .with_panel(
+            panel(
+                timeseries.Panel(),
+                "Rollouts wasted",
+                "Doomed restored prompt groups times actor_rollout_ref.rollout.n: rollouts evicted by the first "
+                "sample and generated again.",
+                "short",
+                query(f"tqmon_resume_wasted_rollouts{{{SEL}}}", "rollouts"),
+                span=8,
+            )
+        )
+    )
+
+
 def resume_dashboard() -> dashboard.Dashboard:
     """ "Resume & warmup" for one run (one tqmon instance)."""
     builder = _base(
@@ -409,7 +450,7 @@ def resume_dashboard() -> dashboard.Dashboard:
         "Whether the TransferQueue prefetch window of one verl async run was refilled correctly after its last resume.",
         multi=False,
     )
-    return _window_row(_resume_row(_health_row(builder)))
+    return _cost_row(_window_row(_resume_row(_health_row(builder))))
 
 
 def fleet_dashboard() -> dashboard.Dashboard:

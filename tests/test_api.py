@@ -76,6 +76,7 @@ STEP: dict[str, Any] = {
     "global_step": 11,
     "evicted_prompt_groups": {"failure": 1},
     "generation_wait_seconds": 2.5,
+    "step_seconds": 50.0,
 }
 SAVE: dict[str, Any] = {
     "id": "run-a/save/12",
@@ -116,6 +117,15 @@ RESUME_RECORD: dict[str, Any] = {
     "semantics": "verl-0.9.1",
     "first_step_evictions": {"failure": 1, "stale": 0, "filtered": 0},
     "first_step_generation_wait_seconds": 2.5,
+    # No trainer activity before this start and stale unknown: only the time to the first step is known,
+    # from the warmup decision at T0 + 3 and the step's own 50 s.
+    "cost": {
+        "steps_lost": None,
+        "downtime_seconds": None,
+        "time_to_first_step_seconds": 53.0,
+        "wasted_rollouts": None,
+        "lost_prompt_groups": None,
+    },
     "verdict": "UNDER-SUBMITTED by 1",
 }
 RESUME_EVIDENCE = [
@@ -248,6 +258,7 @@ def test_each_event_type_posted_singly_changes_the_state(tqmon_factory: Factory)
             "max_off_policy_threshold": 8,
             "max_off_policy_strategy": "drop",
             "filter_groups": False,
+            "rollout_n": None,
         },
         "config_source": "events",
     }

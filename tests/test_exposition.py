@@ -17,6 +17,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from mixin import docs
 from mixin.repo import repo_root
 from tqmon.catalog import BY_NAME, CATALOG, MetricType, Stability
+from tqmon.cost import ResumeCost
 from tqmon.exporters.prometheus import build_registry, render
 from tqmon.snapshot import (
     CheckpointView,
@@ -60,6 +61,7 @@ def full_snapshot(now: float = NOW) -> Snapshot:
         first_step_evictions={"failure": 2, "stale": 0, "filtered": 0},
         first_step_generation_wait_seconds=31.5,
         evidence=(Evidence("log", "checkpoint_restored", "log:1", now - 119, "restored_prompt_groups=9"),),
+        cost=ResumeCost(steps_lost=3, downtime_seconds=95.0, time_to_first_step_seconds=180.5, wasted_rollouts=24),
     )
     return Snapshot(
         built_at=now,

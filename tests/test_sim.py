@@ -8,6 +8,7 @@ a running one its early session's 1), a checkpoint every 2 steps, preempted afte
 resumed from global_step_2 for one step (two for legacy). Rollout latency: even dataloader indexes end one
 tick after submission, odd ones two (running in between); the trainer ticks once per trained step, after
 the sample and before the checkpoint, and once per replay-buffer poll that finds too few finished groups.
+Each step ends with verl's console line (``step:N - timing_s/step:… - …/evicted_samples:…``).
 
 The common fresh-start trace (indexes; g = the tag's global_steps):
     step 1: warmup 0-7 + batch 8-11 (g1), all pending → poll ticks: even finished, odd running;
@@ -26,12 +27,14 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
 import time
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -96,6 +99,8 @@ class Expected:
     orphans: int
     trajectories: int
     counted: int | None = None  # R as the trainer logged it when it miscounts (None: the true R)
+    # the resume's cost: rollouts wasted = doomed x rollout.n (2), unknown while a doom reason is
+    wasted: int | None = 0
 
     def series(self) -> Series:
         s: Series = {
@@ -110,6 +115,8 @@ class Expected:
             "tqmon_resume_under_submitted_prompt_groups": self.tq_under,
             "tqmon_checkpoint_step": self.checkpoint_step,
             "tqmon_checkpoint_orphan_trajectories": self.orphans,
+            "tqmon_resume_lost_steps": 1,  # step 3 completed (verl's console line), resumed from global_step_2
+            "tqmon_resume_wasted_rollouts": self.wasted,
         }
         split = self.tq_restored if isinstance(self.tq_restored, dict) else {}
         unknown = self.tq_restored if isinstance(self.tq_restored, int) else None
@@ -239,6 +246,7 @@ EXPECTED: dict[str, Expected] = {
         checkpoint_doomed=doomed(1, 0, 0),
         orphans=8,
         trajectories=23,
+        wasted=2,  # the failed group, x 2
     ),
     # Threshold 2; index % 6 == 4 fails. Step 1: a poll tick ends the even ones, 4 and 10 fail: refilled by
     # 12,13 (g1); samples 0,2,6,8; the tick finishes the odd 1-11 and 12 (13 runs). Step 2: 14-17 (g2);
@@ -268,6 +276,7 @@ EXPECTED: dict[str, Expected] = {
         checkpoint_doomed=doomed(1, 4, 0),
         orphans=8,
         trajectories=21,
+        wasted=10,  # 1 failed + 4 stale, x 2
     ),
     # verl 0.9.0: the common trace, then the resume logs no R and submits 2 batches = 8 on top of R 8.
     # Step 3: 13,15 re-issued, warmup 16-23 and batch 24-27 (g3); samples 8-11; the tick ends 16-26 even.
@@ -297,6 +306,7 @@ EXPECTED: dict[str, Expected] = {
         checkpoint_doomed=NOTHING_DOOMED,
         orphans=16,
         trajectories=46,
+        wasted=None,
     ),
     # The common trace, resumed with num_warmup_batches 5 (T = 20) by a trainer that counts every key of the
     # partition as a restored group: R' = 8 prompts + 22 trajectories = 30 >= 20, so it logs "Restored 30" and
@@ -329,6 +339,7 @@ EXPECTED: dict[str, Expected] = {
         orphans=8,
         trajectories=22,
         counted=30,
+        wasted=None,
     ),
     # The common trace without transfer_queue/: the resume restores nothing, warms up all 8.
     "no-tq-checkpoint": Expected(
@@ -357,8 +368,8 @@ EXPECTED: dict[str, Expected] = {
     ),
     # No warmup: each step adds 4 and waits (two poll ticks) until all 4 finished, so global_step_2 holds
     # only the step-2 batch's 8 orphan trajectories: R 0. With skip.rollout_tq no window is kept (no T); the
-    # config says the warmup submits nothing (verl logs nothing), and with no warmup line after it tqmon
-    # cannot tell K = 0 (verl logs no re-issue line when nothing is in flight) from a re-issue line to come.
+    # config says the warmup submits nothing (verl logs nothing); the first step's line after the resume
+    # says the re-issue is over: verl logged none, so K = 0.
     "skip-rollout-tq": Expected(
         restored=by_status(0, 0, 0, 0),
         reissued=0,
@@ -369,7 +380,7 @@ EXPECTED: dict[str, Expected] = {
         doomed=doomed(0, 0, 0),
         under=None,
         tq_restored=by_status(0, 0, 0, 0),
-        tq_reissued=None,
+        tq_reissued=0,
         tq_target=None,
         tq_expected=0,
         tq_submitted=0,
@@ -442,9 +453,42 @@ def check_report(report: dict[str, Any], expected: Expected) -> None:
     assert (last["trajectories"], last["orphan_trajectories"]) == (expected.trajectories, expected.orphans)
 
 
+LOG_HEADER = re.compile(r"^[A-Z]+:(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}):(.*)$")
+LOOP_LINES = ("Re-issued ", "Added ", "Skipping async warmup")  # the last lines before verl's step loop
+
+
+def resume_times(log: Path) -> Series:
+    """The resume's downtime and time to its first step, read off the log by hand.
+
+    Downtime: from the last timestamped line before ``Resuming from`` to that line. Time to the first step:
+    from ``Resuming from`` to the last re-issue or warmup line, plus the first step's ``timing_s/step``
+    from verl's console line (no such line: unknown).
+    """
+    before: list[float] = []
+    resumed_at = loop_at = first_step = None
+    for line in log.read_text().splitlines():
+        header = LOG_HEADER.match(line)
+        if header is None:
+            if resumed_at is not None and first_step is None and line.startswith("step:"):
+                first_step = float(line.split("timing_s/step:")[1].split(" - ")[0])
+            continue
+        at = datetime.strptime(header[1], "%Y-%m-%d %H:%M:%S,%f").astimezone().timestamp()
+        if header[2].startswith("Resuming from "):
+            resumed_at = at
+        elif resumed_at is None:
+            before.append(at)
+        elif first_step is None and header[2].startswith(LOOP_LINES):
+            loop_at = at
+    assert resumed_at is not None and first_step is not None
+    return {
+        "tqmon_resume_downtime_seconds": resumed_at - before[-1],
+        "tqmon_resume_time_to_first_step_seconds": None if loop_at is None else (loop_at - resumed_at) + first_step,
+    }
+
+
 def check_tqmon(workdir: Path, scenario: Scenario, expected: Expected, tqmon_factory: Any) -> None:
     tqmon = tqmon_factory(serve_args(workdir, scenario)).start()
-    wait_for_series(tqmon, expected.series())
+    wait_for_series(tqmon, expected.series() | resume_times(workdir / LOG_FILE))
 
 
 @pytest.mark.parametrize("name", [n for n in SCENARIOS if n != "healthy-resume"])

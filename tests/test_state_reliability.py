@@ -302,9 +302,11 @@ def test_retention_bounds_the_store_and_keeps_what_the_fold_needs(tmp_path: Path
 
     retention = Retention(tracker, store, RetentionPolicy(records=5, days=365), clock=lambda: now[0])
     deleted = retention.prune()
-    # Kept: the 5 retained records' 4 events each, the 10 newest steps, the run config.
-    assert store.stored_events() == 5 * 4 + 10 + 1
-    assert deleted == 1 + 12 * 204 - (5 * 4 + 10 + 1)
+    # Kept: the 5 retained records' 4 events each; what their cost reads from before each start: the last step
+    # (a bulk step) and the latest trainer time (the previous start's first step, timed 3 s after its start:
+    # evidence of a kept record but for the oldest); the 10 newest steps; the run config.
+    assert store.stored_events() == 5 * 4 + 5 + 1 + 10 + 1
+    assert deleted == 1 + 12 * 204 - (5 * 4 + 5 + 1 + 10 + 1)
     assert retention.prune() == 0  # idempotent, and the dropped resumes are not counted twice
     store.close()
 
@@ -313,9 +315,10 @@ def test_retention_bounds_the_store_and_keeps_what_the_fold_needs(tmp_path: Path
     restarted.replay()
     kept = restarted.snapshot.records
     assert [r.checkpoint_step for r in kept] == [r.checkpoint_step for r in records_before[-5:]]
-    assert [(r.restored, r.submitted, r.first_step_evictions) for r in kept] == [
-        (r.restored, r.submitted, r.first_step_evictions) for r in records_before[-5:]
+    assert [(r.restored, r.submitted, r.first_step_evictions, r.cost) for r in kept] == [
+        (r.restored, r.submitted, r.first_step_evictions, r.cost) for r in records_before[-5:]
     ]
+    assert [r.cost.downtime_seconds for r in kept] == [7197.0] * 5  # the latest trainer time before each, kept
     assert restarted.snapshot.resumes_total == 12  # a counter never goes down because history was pruned
     assert restarted.snapshot.trainer_step == tracker.snapshot.trainer_step == 11_201
     assert restarted.snapshot.run is not None and restarted.snapshot.run.run_id == "r"
@@ -331,10 +334,12 @@ def test_retention_by_age_keeps_the_latest_start_and_young_events(tmp_path: Path
     tracker.ingest([parse_event(e) for e in resume_events(20, now[0])], "events")
     tracker.ingest([parse_event(step(k, "young")) for k in range(30)], "events")
     retention = Retention(tracker, store, RetentionPolicy(records=100, days=30), clock=lambda: now[0])
-    assert retention.prune() == 4  # the 40-day-old start; everything younger than an hour stays
+    # The 40-day-old start but its first step (the last step before the latest start: its cost reads it);
+    # everything younger than an hour stays.
+    assert retention.prune() == 3
     now[0] += 2 * 86400.0
     assert retention.prune() == 20  # now the bulk steps, but never the latest start's evidence
-    assert store.stored_events() == 4 + 10
+    assert store.stored_events() == 4 + 10 + 1
 
 
 def test_dead_cursors_of_rotated_away_files_are_pruned(tmp_path: Path) -> None:

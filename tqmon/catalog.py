@@ -391,6 +391,34 @@ CATALOG: tuple[MetricSpec, ...] = (
         MetricType.COUNTER,
         "Resume log records dropped undelivered because the bounded OTLP log queue was full.",
     ),
+    # What the last resume cost (ml-goodput-measurement's badput); absent when unknown or after a fresh start.
+    MetricSpec(
+        "tqmon_resume_lost_steps",
+        MetricType.GAUGE,
+        "Steps trained after the checkpoint the last resume loaded and lost at the stop: the last step completed "
+        "before the stop minus the checkpoint step N.",
+        "steps",
+    ),
+    MetricSpec(
+        "tqmon_resume_downtime_seconds",
+        MetricType.GAUGE,
+        "From the trainer's last timestamped activity before the stop to the last resume's first line.",
+        "seconds",
+    ),
+    MetricSpec(
+        "tqmon_resume_time_to_first_step_seconds",
+        MetricType.GAUGE,
+        "From the last resume's first line until its first step completed: restore, re-issue, warmup and the "
+        "step itself (the warmup line's time plus verl's timing_s/step).",
+        "seconds",
+    ),
+    MetricSpec(
+        "tqmon_resume_wasted_rollouts",
+        MetricType.GAUGE,
+        "Rollouts of the restored groups the first sample after the last resume evicts: doomed prompt groups "
+        "times actor_rollout_ref.rollout.n.",
+        "rollouts",
+    ),
 )
 
 BY_NAME: dict[str, MetricSpec] = {spec.name: spec for spec in CATALOG}

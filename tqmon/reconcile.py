@@ -15,6 +15,7 @@ from dataclasses import dataclass, field, replace
 from statistics import fmean
 from typing import Any
 
+from tqmon.cost import CostInputs, resume_cost
 from tqmon.events import (
     CheckpointRestored,
     CheckpointSaved,
@@ -82,6 +83,12 @@ class Observed:
     first_step_evictions: dict[str, int] | None = None
     first_step_wait: float | None = None
     evidence: list[Evidence] = field(default_factory=list)
+    # What the resume cost (tqmon.cost): trainer times only (see trainer_time), None where not observed.
+    first_line_at: float | None = None  # the start's first event, if it carried the trainer's time
+    last_step_before: int | None = None  # the last step completed (or saved) before the stop, if steps were seen
+    last_activity_before: float | None = None  # the last timed trainer event before the stop
+    loop_started_at: float | None = None  # the re-issue or warmup line: verl's step loop starts right after
+    first_step_seconds: float | None = None  # the first step's own duration (timing_s/step)
 
     @property
     def decided(self) -> bool:
@@ -175,6 +182,19 @@ def derive_record(
         first_step_evictions=obs.first_step_evictions,
         first_step_generation_wait_seconds=obs.first_step_wait,
         evidence=tuple(obs.evidence),
+        cost=resume_cost(
+            CostInputs(
+                checkpoint_step=obs.checkpoint_step,
+                started_at=obs.first_line_at,
+                last_step_before=obs.last_step_before,
+                last_activity_before=obs.last_activity_before,
+                loop_started_at=obs.loop_started_at,
+                first_step_seconds=obs.first_step_seconds,
+                doomed=doomed,
+                rollout_n=config.rollout_n if config is not None else None,
+            ),
+            resumed=obs.resumed,
+        ),
     )
 
 
@@ -320,6 +340,11 @@ class Reconciler:
         self._restart_hint: Evidence | None = None  # a restart sign no start has claimed yet
         self._step_seconds: deque[float] = deque(maxlen=STEP_RATE_WINDOW)
         self._compositions: dict[int, Composition] = {}  # step -> a checkpoint's composition
+        # Since the open start began: the last step the trainer completed and saved, and its last timed event.
+        self._step_completed: int | None = None
+        self._step_saved: int | None = None
+        self._last_activity: float | None = None
+        self._event_time: float | None = None  # trainer_time of the event being applied
         if given is not None:  # run_started overrides it
             self._set_run(RunInfo("", given.trainer_mode, "", given.config.model_dump(), given.origin), given.config)
 
@@ -361,6 +386,7 @@ class Reconciler:
         # look newer than its arrival (docs/reliability.md, clock skew). Evidence keeps the trainer's time.
         seen = min(at, received_at)
         self.trainer_last_event = seen if self.trainer_last_event is None else max(self.trainer_last_event, seen)
+        self._event_time = trainer_time(event, source, received_at)
         evidence_of: Observed | None = None  # the start this event is evidence of
         match event:
             case RunStarted():
@@ -399,6 +425,7 @@ class Reconciler:
                     step, True, at, lambda o: o.reissued is None or corroborates(o, source, event.type)
                 )
                 evidence_of.reissued, evidence_of.cleared = event.reissued_prompt_groups, event.cleared_trajectories
+                evidence_of.loop_started_at = _latest(evidence_of.loop_started_at, self._event_time)
             case WarmupDecided():
                 evidence_of = self._attach(
                     None,
@@ -407,15 +434,20 @@ class Reconciler:
                     lambda o: not o.decided or corroborates(o, source, event.type),
                 )
                 _take_decision(evidence_of, event)
+                evidence_of.loop_started_at = _latest(evidence_of.loop_started_at, self._event_time)
             case StepCompleted():
                 self.trainer_step = event.global_step
-                if event.step_seconds is not None:
+                # The log's console line and the JSONL report the same step: its duration counts once.
+                repeated = self._step_completed is not None and event.global_step <= self._step_completed
+                self._step_completed = max(event.global_step, self._step_completed or 0)
+                if event.step_seconds is not None and not repeated:
                     self._step_seconds.append(event.step_seconds)
                 obs = self._observed
                 if obs is not None and not obs.sealed:
                     evicted = _str_keys(event.evicted_prompt_groups)
                     obs.first_step_evictions = {r: evicted.get(r, 0) for r in DOOM_REASONS}
                     obs.first_step_wait = event.generation_wait_seconds
+                    obs.first_step_seconds = event.step_seconds
                     evidence_of = obs
             case CheckpointSaved():
                 self._saved(event, source, at)
@@ -424,10 +456,13 @@ class Reconciler:
         if evidence_of is not None:
             evidence_of.evidence.append(Evidence(source, event.type, event.id, at, _describe(event)))
             self._rederive()
+        if not isinstance(event, RunStarted):  # a new process announcing itself is not activity before a stop
+            self._last_activity = _latest(self._last_activity, self._event_time)
 
     def _saved(self, event: CheckpointSaved, source: str, at: float) -> None:
         if source != SourceName.CHECKPOINT:  # the checkpoint dir may hold an older run's checkpoint
             self.trainer_step = event.step
+            self._step_saved = max(event.step, self._step_saved or 0)
         current = self.checkpoint
         bare = event.status_counts() is None
         if not bare:
@@ -466,7 +501,11 @@ class Reconciler:
             started_at=at,
             run_id=self.run.run_id if self.run else "",
             checkpoint_step=checkpoint_step,
+            first_line_at=self._event_time,
+            last_step_before=None if self._step_completed is None else max(self._step_completed, self._step_saved or 0),
+            last_activity_before=self._last_activity,
         )
+        self._step_completed = self._step_saved = None
         claim = self._restart_hint
         if claim is not None and abs(at - claim.at) <= RESTART_CLAIM_SECONDS:
             new.evidence.append(claim)
@@ -511,6 +550,26 @@ def _take_decision(obs: Observed, event: WarmupDecided) -> None:
         obs.skip_reason = event.skip_reason
     if event.legacy_warmup_batches is not None:
         obs.legacy_batches = event.legacy_warmup_batches
+
+
+def trainer_time(event: Event, source: str, received_at: float) -> float | None:
+    """When the trainer did it: the event's own time, or its receipt for a pushed event (posted as it happens).
+
+    A line without a timestamp (verl's JSONL and console step lines) may be read long after it was written
+    (a catch-up, ``tqmon analyze``): its receipt is not the trainer's time, so it has none. Nor has a reading
+    of the checkpoint dir: it may come before the log lines of the same time, or after a later save.
+    """
+    if source == SourceName.CHECKPOINT:
+        return None
+    if event.time is not None:
+        return event.time.timestamp()
+    return received_at if source == SourceName.EVENTS else None
+
+
+def _latest(current: float | None, candidate: float | None) -> float | None:
+    if candidate is None:
+        return current
+    return candidate if current is None else max(current, candidate)
 
 
 def _str_keys(counts: Mapping[Any, int]) -> dict[str, int]:

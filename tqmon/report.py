@@ -45,7 +45,35 @@ def _doomed(record: ResumeRecord) -> str:
     return f"{known}{total}"
 
 
-COLUMNS = ("#", "started (UTC)", "from", "R", "K", "T", "M exp", "M sub", "O", "doomed", "deficit", "state", "verdict")
+def _cost(record: ResumeRecord, value: float | None, unit: str = "") -> str:
+    """A resume's cost: ``unknown`` when not observed (never 0); ``-`` for a fresh start, which lost nothing."""
+    if not record.resumed:
+        return "-"
+    if value is None:
+        return "unknown"
+    return f"{value:.1f}{unit}" if isinstance(value, float) else f"{value}{unit}"
+
+
+COLUMNS = (
+    "#",
+    "started (UTC)",
+    "from",
+    "R",
+    "K",
+    "T",
+    "M exp",
+    "M sub",
+    "O",
+    "doomed",
+    "deficit",
+    "state",
+    "steps lost",
+    "downtime",
+    "to 1st step",
+    "wasted rollouts",
+    "groups lost",
+    "verdict",
+)
 
 
 def table(records: Sequence[ResumeRecord]) -> str:
@@ -66,6 +94,11 @@ def table(records: Sequence[ResumeRecord]) -> str:
                 _doomed(r),
                 _fmt(r.under_submitted),
                 str(r.warmup_state),
+                _cost(r, r.cost.steps_lost),
+                _cost(r, r.cost.downtime_seconds, "s"),
+                _cost(r, r.cost.time_to_first_step_seconds, "s"),
+                _cost(r, r.cost.wasted_rollouts),
+                _cost(r, r.cost.lost_prompt_groups),
                 verdict(r),
             )
         )

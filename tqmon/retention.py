@@ -2,7 +2,8 @@
 
 State is the fold of the stored events, so only events the fold no longer needs may go: an event is
 kept while it is evidence of a retained resume record (the last ``--retain-records``, started within
-``--retain-days``; the latest start always), or among the newest of its type that the live state
+``--retain-days``; the latest start always) or what its cost reads from before it (the last step
+completed and saved, the last timed trainer event), or among the newest of its type that the live state
 reads (the step rate, checkpoint compositions a future resume completes from, the windows), or the
 run config in force for those. Everything else older than ``--retain-min-age`` is deleted; the
 resumes of dropped records stay counted in ``tqmon_resumes_total``.
@@ -125,10 +126,9 @@ class Retention:
         now = self._clock()
         records = self.tracker.snapshot.records
         first = first_retained(records, self.policy, now)
-        keep = {evidence.event_id for record in records[first:] for evidence in record.evidence}
         dropped = records[self._accounted : first] if first > self._accounted else []
         deleted = self.store.prune(
-            keep,
+            [[evidence.event_id for evidence in record.evidence] for record in records[first:]],
             newest=NEWEST_KEPT,
             received_before=now - self.policy.min_age,
             dead_cursors=dead_cursor_keys(self.store.cursor_keys()),

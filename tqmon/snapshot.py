@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from tqmon.cost import ResumeCost
 from tqmon.warmup import WarmupState
 
 
@@ -65,6 +66,7 @@ class ResumeRecord:
     first_step_evictions: Mapping[str, int] | None = None
     first_step_generation_wait_seconds: float | None = None
     evidence: tuple[Evidence, ...] = ()
+    cost: ResumeCost = field(default_factory=ResumeCost)  # what the resume cost; all unknown for a fresh start
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)

@@ -69,6 +69,19 @@ INSERT INTO counters (name, labels, value)
 DELETE FROM counters WHERE name LIKE 'tqmon!_%!_total' ESCAPE '!';
 """
 V1_TABLES = {"events", "counters", "cursors"}
+# What the reconciler reads from before a start, for the resume's cost (tqmon.cost): the last step the trainer
+# completed, the last it saved, and its latest timed event (reconcile.trainer_time: the event's time, or the
+# receipt of a posted one). Retention keeps, before every retained start, the first event of each (condition,
+# order).
+BEFORE_START = (
+    ("type = 'step_completed'", "seq DESC"),
+    ("type = 'checkpoint_saved' AND source != 'checkpoint'", "seq DESC"),
+    (
+        "type != 'run_started' AND source != 'checkpoint' "
+        "AND (source = 'events' OR json_extract(body, '$.time') IS NOT NULL)",
+        "coalesce(julianday(json_extract(body, '$.time')), 2440587.5 + received_at / 86400.0) DESC",
+    ),
+)
 
 
 class StateCorrupt(StateError):
@@ -386,23 +399,37 @@ class StateStore:
 
     def prune(
         self,
-        keep_ids: Iterable[str],
+        records: Iterable[Iterable[str]],
         *,
         newest: dict[str, int],
         received_before: float,
         dead_cursors: Iterable[str] = (),
         meta_increments: dict[str, int] | None = None,
     ) -> int | None:
-        """Delete events received before ``received_before`` unless their id is in ``keep_ids``, they are
-        among the ``newest[type]`` of their type, or they are the run config in force for a kept event.
+        """Delete events received before ``received_before`` unless they are evidence of a retained record (the
+        event ids of each in ``records``) or, per :data:`BEFORE_START`, read before one; among the
+        ``newest[type]`` of their type; or the run config in force for a kept event.
         Returns how many events went, None when the disk failed (counted; the next round retries)."""
         with self._lock:
             try:
                 self._db.execute("BEGIN IMMEDIATE")
                 try:
                     self._db.execute("CREATE TEMP TABLE IF NOT EXISTS keep (id TEXT PRIMARY KEY)")
+                    self._db.execute("CREATE TEMP TABLE IF NOT EXISTS evidence (record INTEGER, id TEXT)")
                     self._db.execute("DELETE FROM keep")
-                    self._db.executemany("INSERT OR IGNORE INTO keep VALUES (?)", ((i,) for i in keep_ids))
+                    self._db.execute("DELETE FROM evidence")
+                    self._db.executemany(
+                        "INSERT INTO evidence VALUES (?, ?)",
+                        ((n, event_id) for n, ids in enumerate(records) for event_id in ids),
+                    )
+                    self._db.execute("INSERT OR IGNORE INTO keep SELECT id FROM evidence")
+                    for condition, order in BEFORE_START:
+                        self._db.execute(
+                            "INSERT OR IGNORE INTO keep SELECT before FROM (SELECT (SELECT id FROM events "
+                            f"WHERE seq < opened AND {condition} ORDER BY {order} LIMIT 1) AS before FROM "
+                            "(SELECT min(events.seq) AS opened FROM evidence JOIN events ON events.id = evidence.id "
+                            "GROUP BY evidence.record)) WHERE before IS NOT NULL"
+                        )
                     for kind, n in newest.items():
                         self._db.execute(
                             "INSERT OR IGNORE INTO keep SELECT id FROM events WHERE type = ? ORDER BY seq DESC LIMIT ?",

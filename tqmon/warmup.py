@@ -115,6 +115,15 @@ class TrainerConfig(BaseModel):
         Field(description="algorithm.filter_groups.enable"),
         Verl("algorithm.filter_groups.enable", "algorithm.filter_groups.enable (DAPO)."),
     ] = False
+    rollout_n: Annotated[
+        int | None,
+        Field(gt=0, description="actor_rollout_ref.rollout.n"),
+        NOT_BOOL,
+        Verl(
+            "actor_rollout_ref.rollout.n",
+            "actor_rollout_ref.rollout.n: trajectories per prompt group; needed for the rollouts a resume wasted.",
+        ),
+    ] = None
 
     def warmup_config(self, trainer_mode: str) -> WarmupConfig:
         return WarmupConfig(trainer_mode=trainer_mode, **self.model_dump())

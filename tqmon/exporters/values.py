@@ -120,6 +120,10 @@ def metric_values(snapshot: Snapshot, now: float) -> Iterator[tuple[MetricSpec, 
             ],
             "tqmon_resume_first_step_generation_wait_seconds": _opt(record.first_step_generation_wait_seconds),
             "tqmon_resume_warmup_state": _stateset(BY_NAME["tqmon_resume_warmup_state"], record.warmup_state),
+            "tqmon_resume_lost_steps": _opt(record.cost.steps_lost),
+            "tqmon_resume_downtime_seconds": _opt(record.cost.downtime_seconds),
+            "tqmon_resume_time_to_first_step_seconds": _opt(record.cost.time_to_first_step_seconds),
+            "tqmon_resume_wasted_rollouts": _opt(record.cost.wasted_rollouts),
         }
     if checkpoint is not None:
         values |= {

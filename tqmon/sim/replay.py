@@ -55,6 +55,7 @@ class Sample:
     uids: list[str]  # the sampled prompt groups
     trajectory_keys: list[str]  # what the trainer trains on, then clears
     first_evictions: dict[str, int]  # evicted by the first poll: at a resume, the doomed restored groups
+    evictions: dict[str, int]  # evicted by every poll of the sample: what verl logs as the step's evicted_samples
 
 
 class ReplayBuffer:
@@ -71,11 +72,14 @@ class ReplayBuffer:
 
     def sample(self, step: int, batch_size: int) -> Sample:
         first: dict[str, int] | None = None
+        total = dict.fromkeys(DOOM_REASONS, 0)
         while True:
             window = Window.read()
             evicted = self._eviction_reasons(window, step)
+            counts = {reason: sum(r == reason for r in evicted.values()) for reason in DOOM_REASONS}
+            total = {reason: total[reason] + counts[reason] for reason in DOOM_REASONS}
             if first is None:
-                first = {reason: sum(r == reason for r in evicted.values()) for reason in DOOM_REASONS}
+                first = counts
             if evicted:
                 uids = sorted(evicted)
                 tq.kv_clear(keys=[*uids, *window.trajectory_keys(uids)], partition_id=PARTITION)
@@ -86,7 +90,7 @@ class ReplayBuffer:
                 # oldest first; the uid breaks ties (the simulator's uids sort in dataloader order)
                 chosen = sorted(finished, key=lambda uid: (window.prompts[uid]["global_steps"], uid))[:batch_size]
                 tq.kv_clear(keys=chosen, partition_id=PARTITION)
-                return Sample(chosen, window.trajectory_keys(chosen), first)
+                return Sample(chosen, window.trajectory_keys(chosen), first, total)
             self.wait(window)
 
     def _eviction_reasons(self, window: Window, step: int) -> dict[str, str]:

@@ -86,6 +86,8 @@ class TrainerSettings:
             "null" if threshold is None else str(threshold),
             "--max-off-policy-strategy",
             self.max_off_policy_strategy,
+            "--rollout-n",
+            str(self.rollout_n),
         ]
         flags += ["--skip-rollout-tq"] if self.skip_rollout_tq else []
         return flags + (["--filter-groups"] if self.filter_groups else [])

@@ -31,6 +31,12 @@ from tqmon.sim.rollout import PARTITION, Rollout, prompt_fields
 from tqmon.sim.scenarios import CHECKPOINT_DIR, LOG_FILE, Scenario, TrainerSettings
 
 LOG_FORMAT = "%(levelname)s:%(asctime)s:%(message)s"  # verl's
+CONSOLE_FORMAT = "%(message)s"  # verl's console logger backend prints, into the same output
+EVICTION_METRICS = {
+    "failure": "training/rollout_failure/evicted_samples",
+    "stale": "training/off_policy/evicted_samples",
+    "filtered": "training/filter_groups/evicted_samples",
+}
 LATEST_FILE = "latest_checkpointed_iteration.txt"
 CONTROLLER = ("TransferQueueController", "transfer_queue")  # the named actor and its namespace
 TQ_CONFIG = {"backend": {"SimpleStorage": {"num_data_storage_units": 1, "total_storage_size": 100_000}}}
@@ -86,13 +92,13 @@ def uid_for(seed: int, index: int) -> str:
 
 
 @contextmanager
-def verl_log(path: Path) -> Iterator[logging.Logger]:
+def verl_log(path: Path, fmt: str = LOG_FORMAT) -> Iterator[logging.Logger]:
     """A logger writing verl's format to ``path`` only (one per run, so runs in one process never mix)."""
     logger = logging.getLogger(f"tqmon.sim.verl.{uuid.uuid4().hex}")
     logger.setLevel(logging.INFO)
     logger.propagate = False
     handler = logging.FileHandler(path, encoding="utf-8")
-    handler.setFormatter(logging.Formatter(LOG_FORMAT))
+    handler.setFormatter(logging.Formatter(fmt))
     logger.addHandler(handler)
     try:
         yield logger
@@ -134,10 +140,12 @@ class TrainerProcess:
         *,
         seed: int,
         pause: Callable[[], None],
+        console: logging.Logger | None = None,
     ) -> None:
         self.settings = settings
         self.checkpoint_dir = workdir / CHECKPOINT_DIR
         self.log = log
+        self.console = console  # verl's console logger: a step's metrics, printed without a timestamp
         self.seed = seed
         self.pause = pause  # one step's (or one poll's) worth of wall time; raises Stopped
         self.rollout = Rollout(scenario.rollout, settings.rollout_n, seed)
@@ -253,16 +261,32 @@ class TrainerProcess:
 
     def _step(self) -> Sample:
         b = self.settings.train_batch_size
+        started = time.monotonic()
         self._add_prompts(b)  # prepare_step
         sample = self.replay.sample(self.global_steps, b)
+        generated = time.monotonic()
         self.pause()  # training; the rollout keeps generating meanwhile
         self.rollout.tick(self.global_steps)
         if self.global_steps % self.settings.save_freq == 0:
             self._save_checkpoint()
+        took = time.monotonic() - started
         if sample.trajectory_keys:
             tq.kv_clear(keys=sample.trajectory_keys, partition_id=PARTITION)
+        self._log_metrics(sample, generated - started, took)
         self.global_steps += 1
         return sample
+
+    def _log_metrics(self, sample: Sample, gen_seconds: float, step_seconds: float) -> None:
+        """``Tracking.log`` to the console backend: ``concat_dict_to_str`` of the step's metrics."""
+        if self.console is None:
+            return
+        metrics: dict[str, float] = {
+            "training/global_step": self.global_steps,
+            "timing_s/gen": gen_seconds,
+            "timing_s/step": step_seconds,
+        }
+        metrics |= {key: sample.evictions[reason] for reason, key in EVICTION_METRICS.items()}
+        self.console.info(" - ".join([f"step:{self.global_steps}", *(f"{k}:{v!r}" for k, v in metrics.items())]))
 
     def start(self, steps: int) -> StartReport:
         """Load, then ``fit`` for ``steps`` steps (at least one: the first sample decides the doomed groups)."""
@@ -344,14 +368,14 @@ def run_scenario(
     report = SimReport(scenario.name)
 
     def start(settings: TrainerSettings, steps: int) -> None:
-        process = TrainerProcess(scenario, settings, workdir, log, seed=seed, pause=pause)
+        process = TrainerProcess(scenario, settings, workdir, log, seed=seed, pause=pause, console=console)
         try:
             report.starts.append(process.start(steps))
         finally:
             report.checkpoints += process.checkpoints
             report.last_step = max(report.last_step, process.global_steps - 1)
 
-    with verl_log(workdir / LOG_FILE) as log:
+    with verl_log(workdir / LOG_FILE) as log, verl_log(workdir / LOG_FILE, CONSOLE_FORMAT) as console:
         try:
             start(scenario.before, before)
             close_tq()  # preempted: the trainer and its TQ are gone, the Ray cluster stays

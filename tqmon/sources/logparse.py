@@ -1,7 +1,9 @@
 """Turns verl trainer log lines into events. Pure: no file handling here.
 
 Lines look like ``INFO:2026-11-28 22:14:03,123:Restored 12 training prompt groups from TransferQueue``,
-possibly behind a Ray ``(TaskRunnerV1 pid=…, ip=…)`` prefix and wrapped in ANSI colour codes.
+possibly behind a Ray ``(TaskRunnerV1 pid=…, ip=…)`` prefix and wrapped in ANSI colour codes. verl's
+``console`` logger backend prints each step's metrics in the same output, without a timestamp:
+``step:12 - timing_s/step:41.2 - training/off_policy/evicted_samples:3 - …``.
 """
 
 from __future__ import annotations
@@ -25,12 +27,15 @@ from tqmon.events import (
     WindowObserved,
     describe_validation,
 )
+from tqmon.sources.stepmetrics import is_training_step, step_completed
 
 ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
 RAY_PREFIX = re.compile(r"^\s*\([^()]*\bpid=\d+[^()]*\)\s*")
 RAY_REPEATED = re.compile(r"\s*\[repeated \d+x across cluster\]\s*$")
 LOG_HEADER = re.compile(r"^(?P<level>[A-Z]+):(?P<asctime>\d{4}-\d{2}-\d{2} \d{2}:\d{2}:\d{2},\d{3}):(?P<message>.*)$")
 STEP_FOLDER = re.compile(r"global_step_(\d+)/?$")
+CONSOLE_STEP = re.compile(r"^step:(?P<step>\d+)(?P<metrics>(?: - [^:]+:.*)*)$")
+NUMBER = re.compile(r"^(?:np\.\w+\()?(?P<value>[-+]?(?:\d+\.?\d*(?:[eE][-+]?\d+)?|nan|inf))\)?$")
 
 Outcome = Literal["event", "ignored", "malformed"]
 
@@ -158,6 +163,34 @@ RULES: tuple[tuple[str, re.Pattern[str], Builder], ...] = (
 )
 
 
+def _console_step(message: str, event_id: str) -> ParsedLine:
+    """verl's console logger line (``concat_dict_to_str``): ``step:N`` then `` - key:pformat(value)`` pairs."""
+    match = CONSOLE_STEP.match(message)
+    if match is None:
+        return ParsedLine("malformed", error="looks like a verl console 'step:N - key:value' line but does not parse")
+    data: dict[str, float] = {}
+    for item in match["metrics"].split(" - ")[1:]:
+        key, _, text = item.partition(":")
+        number = NUMBER.match(text.strip())
+        if number is not None:  # pformat of other numbers (True, complex) says nothing tqmon reads
+            value = float(number["value"])
+            data[key.strip()] = int(value) if value.is_integer() else value
+    if not is_training_step(data):
+        return ParsedLine("ignored")  # validation-only metrics
+    try:
+        return ParsedLine("event", event=step_completed(event_id, int(match["step"]), data))
+    except ValidationError as err:
+        return ParsedLine("malformed", error=f"step {match['step']}: {describe_validation(err)}")
+    except ValueError as err:
+        return ParsedLine("malformed", error=f"step {match['step']}: {err}")
+
+
+def _event_id(text: str, at: datetime | None, fallback_id: str) -> str:
+    """Timestamped lines get an id from their content, so the same line read twice (a rotated copy, a
+    second log of the same trainer, a restart) is applied once."""
+    return "log:" + hashlib.sha1(text.encode()).hexdigest()[:20] if at is not None else fallback_id
+
+
 def clean(line: str) -> str:
     """Strip ANSI codes, the Ray actor prefix, Ray's ``[repeated Nx across cluster]`` and whitespace."""
     return RAY_REPEATED.sub("", RAY_PREFIX.sub("", ANSI.sub("", line))).strip()
@@ -176,6 +209,8 @@ def parse_line(line: str, fallback_id: str) -> ParsedLine:
             at = datetime.strptime(header["asctime"], "%Y-%m-%d %H:%M:%S,%f").astimezone()
         except (ValueError, OverflowError) as err:  # e.g. 2026-02-30: the regex only checks the shape
             bad_time = f"invalid timestamp {header['asctime']!r}: {err}"
+    if message.startswith("step:"):
+        return _console_step(message, _event_id(text, at, fallback_id))
     for trigger, pattern, build in RULES:
         if trigger not in message:
             continue
@@ -184,11 +219,8 @@ def parse_line(line: str, fallback_id: str) -> ParsedLine:
         match = pattern.search(message)
         if match is None:
             return ParsedLine("malformed", error=f"looks like a verl {trigger.strip()!r} line but does not parse")
-        # Timestamped lines get an id from their content, so the same line read twice (a rotated copy,
-        # a second log of the same trainer, a restart) is applied once.
-        event_id = "log:" + hashlib.sha1(text.encode()).hexdigest()[:20] if at is not None else fallback_id
         try:
-            return ParsedLine("event", event=build(match, event_id, at))
+            return ParsedLine("event", event=build(match, _event_id(text, at, fallback_id), at))
         except ValidationError as err:
             return ParsedLine("malformed", error=describe_validation(err))
         except ValueError as err:
