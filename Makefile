@@ -46,6 +46,7 @@ bench: $(BIN)/tqmon
 	$(BIN)/python bench/bench_tq_poll.py
 	$(BIN)/python bench/bench_verl_plugin.py
 	$(BIN)/python bench/bench_startup.py
+	$(BIN)/python bench/bench_checkpoint_read.py
 
 # The schemathesis run of the test suite with a 20x budget (tests/test_api_fuzz.py).
 fuzz: $(BIN)/tqmon

@@ -258,6 +258,7 @@ def test_each_event_type_posted_singly_changes_the_state(tqmon_factory: Factory)
             "max_off_policy_threshold": 8,
             "max_off_policy_strategy": "drop",
             "filter_groups": False,
+            "filter_groups_metric": None,
             "rollout_n": None,
         },
         "config_source": "events",

@@ -563,3 +563,83 @@ def test_serve_keeps_serving_with_a_hostile_checkpoint(root: Path, tmp_path: Pat
     assert value(text, "tqmon_checkpoint_prompt_groups", status="failure") == 4
     assert value(text, "tqmon_checkpoint_doomed_prompt_groups", reason="stale") == 4
     assert value(text, "tqmon_checkpoint_orphan_trajectories") == 3
+
+
+# ---------------------------------------------------------------- DAPO verdicts from the storage units
+# Every trajectory above has rm_scores = three bfloat16 ones, so each finished group's "reward" (the summed
+# rm_scores) is 3.0 on both trajectories: zero variance. At step 41 with threshold 4, the 4 groups with
+# g <= 37 are stale first; the other 7 finished groups are filtered. The trajectories carry no extra_fields.
+
+
+def test_inspect_predicts_filtered_groups_from_the_storage_units(saved: dict[str, Any]) -> None:
+    args = [str(saved["root"]), *CONFIG_FLAGS, "--max-off-policy-threshold", "4", "--filter-groups"]
+    data = inspect_json(*args, "--filter-groups-metric", "reward")
+    assert data["doomed"] == {"failure": 4, "stale": 4, "filtered": 7}
+    assert data["doomed_complete"] is True
+    assert (data["useful_after_warmup"], data["under_submitted"], data["under_submitted_is_lower_bound"]) == (
+        9,
+        15,
+        False,
+    )
+    dapo = data["dapo"]
+    assert (dapo["metric"], dapo["finished_judged"], dapo["zero_variance"], dapo["zero_variance_stale"]) == (
+        "reward",
+        11,
+        11,
+        4,
+    )
+    assert (dapo["missing_metric"], dapo["trajectories_read"]) == (0, 22)
+    text = words(run_inspect(*args, "--filter-groups-metric", "reward").stdout)
+    assert "filtered 7" in text and "under-submitted by 15" in text and "at least" not in text
+
+
+def test_inspect_reports_progress_walking_large_storage_units(
+    saved: dict[str, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    args = [str(saved["root"]), *CONFIG_FLAGS, "--filter-groups", "--filter-groups-metric", "reward"]
+    assert "reading su_0_" not in run_inspect(*args).stderr  # small: no bar
+    monkeypatch.setattr(layout, "LARGE_CHECKPOINT_BYTES", 0)
+    result = run_inspect(*args, "--json")
+    assert "reading su_0_" in result.stderr
+    assert json.loads(result.stdout)["dapo"]["zero_variance"] == 11  # the bars never reach stdout
+
+
+def test_inspect_names_a_missing_metric_as_verls_first_sample_error(saved: dict[str, Any]) -> None:
+    args = [str(saved["root"]), *CONFIG_FLAGS, "--filter-groups", "--filter-groups-metric", "acc"]
+    data = inspect_json(*args)
+    assert "filtered" not in data["doomed"] and data["under_submitted_is_lower_bound"] is True
+    assert data["dapo"]["missing_metric"] == 11
+    assert any(
+        "11 finished group(s) lack DAPO metric 'acc'" in note and "RuntimeError" in note for note in data["notes"]
+    )
+
+
+def test_unreadable_storage_units_are_counted_and_the_composition_still_served(root: Path) -> None:
+    unit = next((root / "global_step_40" / "transfer_queue" / "simple_storage").glob("su_*.pkl"))
+    unit.write_bytes(unit.read_bytes()[:-100])  # truncated
+    config = TrainerConfig(train_batch_size=8, num_warmup_batches=3, filter_groups=True, filter_groups_metric="reward")
+    lines: list[str] = []
+    tracker = Tracker(StateStore(None), given=GivenConfig("colocate_async", config, "flags"), announce=lines.append)
+    CheckpointSource(root, tracker, interval=1.0, filter_metric="reward").poll()
+    text = metrics(tracker)
+    assert value(text, "tqmon_source_errors_total", reason="invalid_data", source="checkpoint") == 1
+    assert value(text, "tqmon_source_up", source="checkpoint") == 1
+    assert value(text, "tqmon_checkpoint_prompt_groups", status="finished") == 11
+    assert value(text, "tqmon_checkpoint_doomed_prompt_groups", reason="filtered") is None  # unknown, not 0
+    assert value(text, "tqmon_checkpoint_doomed_prompt_groups", reason="failure") == 4
+    assert len(lines) == 1 and lines[0].startswith("checkpoint: DAPO's filtered groups unknown: ")
+    assert "truncated pickle" in lines[0] and unit.name in lines[0]
+
+
+def test_source_exports_the_filtered_groups(root: Path) -> None:
+    config = TrainerConfig(
+        train_batch_size=8,
+        num_warmup_batches=3,
+        max_off_policy_threshold=4,
+        filter_groups=True,
+        filter_groups_metric="reward",
+    )
+    tracker = Tracker(StateStore(None), given=GivenConfig("colocate_async", config, "flags"))
+    CheckpointSource(root, tracker, interval=1.0, filter_metric="reward").poll()
+    assert doomed(tracker) == {"failure": 4, "stale": 4, "filtered": 7}
+    assert value(metrics(tracker), "tqmon_checkpoint_doomed_prompt_groups", reason="filtered") == 7

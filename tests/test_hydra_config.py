@@ -58,6 +58,14 @@ def test_reads_the_knobs_and_resolves_interpolations(tmp_path: Path, monkeypatch
     assert config.num_warmup_batches == 2.5  # the mode's own knob, not colocate_async's
     assert config.max_off_policy_threshold == 4
     assert (config.gen_batch_size, config.skip_rollout_tq, config.filter_groups) == (None, False, False)
+    assert config.filter_groups_metric is None
+
+
+def test_reads_dapos_metric(tmp_path: Path) -> None:
+    metric = "    enable: true\n    metric: ${oc.env:TQMON_NO_SUCH,acc}"  # interpolated, as Hydra saves it
+    dapo = HYDRA.replace("    enable: false\n    metric: null", metric)
+    config = load_trainer_config(write(tmp_path, dapo)).config
+    assert (config.filter_groups, config.filter_groups_metric, config.dapo_metric) == (True, "acc", "acc")
 
 
 @pytest.mark.parametrize(

@@ -179,6 +179,37 @@ def test_a_bare_log_resume_is_completed_from_the_checkpoint_it_loaded() -> None:
 
 
 @pytest.mark.parametrize(
+    ("filtered", "metric", "doomed"),
+    [
+        (1, "acc", {"failure": 2, "stale": 4, "filtered": 1}),  # the storage units' verdicts
+        (0, "acc", {"failure": 2, "stale": 4, "filtered": 0}),  # decided: none filtered, not unknown
+        (0, None, {"failure": 2, "stale": 4}),  # no verdicts: filtered unknown
+    ],
+)
+def test_dapo_verdicts_of_a_checkpoint_decide_filtered_for_the_resume_that_loads_it(
+    filtered: int, metric: str | None, doomed: dict[str, int]
+) -> None:
+    """The checkpoint source's verdicts reach the live record of a bare log resume and the preflight alike."""
+    trainer = TrainerConfig(**T12, filter_groups=True, filter_groups_metric="acc")
+    kept = GroupCount(status="finished", global_steps=40, count=3 - filtered)
+    split = [g for g in COMPOSITION if (g.status, g.global_steps) != ("finished", 40)] + [kept]
+    if filtered:
+        split.append(GroupCount(status="finished", global_steps=40, count=filtered, filtered=True))
+    checkpoint = CheckpointSaved(id="checkpoint:40", step=40, groups=split, filter_metric=metric)
+    state = Reconciler(GivenConfig("colocate_async", trainer, "flags"))
+    state.apply(checkpoint, "checkpoint", 900.0)
+    skipped = {"target_prompt_groups": 12, "submitted_prompt_groups": 0, "skip_reason": "window_full"}
+    for index, raw in enumerate(resume(40, 12, **skipped)):
+        state.apply(parse_event({"id": f"e{index}", **raw}), "log", 1000.0 + index)
+    [record] = state.records
+    assert record.doomed == doomed
+    assert state.checkpoint is not None and state.checkpoint.doomed == doomed
+    predicted = predict_resume(checkpoint, reissued=3, cleared=5, config=trainer.warmup_config("colocate_async"))
+    assert predicted.doomed == doomed
+    assert record.under_submitted == predicted.under_submitted == sum(doomed.values())  # T = R, M = 0
+
+
+@pytest.mark.parametrize(
     ("mode", "config"),
     [
         *((mode, config) for mode in ("colocate_async", "sync") for config in (T12, T12 | {"num_warmup_batches": 5})),

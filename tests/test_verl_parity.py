@@ -459,3 +459,134 @@ def warmup_state(case: Case, verl: Resumed) -> str:
         return "skipped_over_restored" if verl.restored > verl.target else "skipped_full"
     assert verl.warmup_submitted > 0
     return "topped_up" if case.step is not None else "fresh_start"
+
+
+# ---------------------------------------------------------------- DAPO: filtered groups, predicted from the checkpoint
+
+DAPO_STEP = 20
+DAPO_THRESHOLD = 3  # stale at the first sample (step 21): finished groups with global_steps <= 18
+DAPO_OVERRIDES = (
+    "algorithm.filter_groups.enable=true",
+    "algorithm.filter_groups.metric=acc",
+    f"trainer.v1.sampler.max_off_policy_threshold={DAPO_THRESHOLD}",
+    "trainer.v1.colocate_async.num_warmup_batches=3",
+)
+# (status, global_steps, the metric of each of the group's trajectories); one prompt group per row.
+DAPO_WINDOW: tuple[tuple[str, int, tuple[float, ...]], ...] = (
+    ("finished", 20, (1.0, 0.0, 1.0)),  # kept
+    ("finished", 20, (0.0, 0.5, 1.0)),  # kept
+    ("finished", 20, (1.0, 1.0)),  # zero variance: filtered
+    ("finished", 19, (0.0, 0.0, 0.0)),  # zero variance: filtered
+    ("finished", 19, (0.1, 0.1, 0.1)),  # np.std is 1.4e-17, not 0: verl keeps it
+    ("finished", 19, (1.0,)),  # one trajectory: verl never filters it
+    ("finished", 15, (1.0, 1.0, 1.0)),  # stale and zero variance: verl counts it under both
+    ("finished", 12, (0.0, 0.0)),  # stale and zero variance
+    ("finished", 15, (0.0, 1.0)),  # stale only
+    ("failure", 19, ()),
+    ("pending", 20, ()),
+)
+# Hand-derived: verl's metrics count the 2 stale zero-variance groups twice; the union evicts 7 groups.
+DAPO_VERL_METRICS = {"failure": 1, "stale": 3, "filtered": 4}
+DAPO_DOOMED = {"failure": 1, "stale": 3, "filtered": 2}  # precedence failure > stale > filtered
+
+
+def put_dapo_trajectories(tq: Any, uid: str, g: int, metric: tuple[float, ...]) -> None:
+    """A finished group's trajectories with the fields the agent-loop worker puts, built as it builds them."""
+    import torch
+    from verl.utils.tensordict_utils import list_of_dict_to_tensordict
+
+    rows = []
+    for session, value in enumerate(metric):
+        rm_scores = torch.zeros(3 + session, dtype=torch.float32)
+        rm_scores[-1] = value
+        rows.append(
+            {
+                "responses": torch.ones(3 + session, dtype=torch.int64),
+                "rm_scores": rm_scores,
+                "extra_fields": {"reward_extra_info": {"acc": value}, "min_global_steps": g, "max_global_steps": g},
+            }
+        )
+    tag = {"status": "success", "prompt_len": 4, "response_len": 3, "seq_len": 7, "global_steps": g}
+    keys = [f"{uid}_{session}_0" for session in range(len(metric))]
+    fields = list_of_dict_to_tensordict(rows)
+    tq.kv_batch_put(keys=keys, partition_id="train", tags=[dict(tag) for _ in keys], fields=fields)
+
+
+def save_dapo_run(tq: Any, root: Path) -> None:
+    """The DAPO window, submitted through verl's own path and saved by verl's ``_save_checkpoint``."""
+    config = verl_config(root, ())
+    trainer = make_trainer(config)
+    trainer.agent_loop_manager = PlainManager.create(config=config, llm_client=None)
+    for status, g, metric in DAPO_WINDOW:
+        before = train_uids(tq)
+        trainer.global_steps = g
+        trainer._add_prompts_to_generate(1)
+        (uid,) = train_uids(tq) - before
+        if status != "pending":
+            tq.kv_put(key=uid, partition_id="train", tag={"status": "running"})
+            if metric:
+                put_dapo_trajectories(tq, uid, g, metric)
+            tq.kv_put(key=uid, partition_id="train", tag={"status": status})
+    trainer.global_steps = DAPO_STEP
+    trainer._save_checkpoint()
+
+
+def test_dapo_filtered_groups_predicted_from_the_checkpoint_match_verls_first_sample(
+    cluster: Any,
+    tmp_path: Path,
+    verl_log: Path,
+    tqmon_factory: Callable[..., TqmonProcess],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import json
+    import subprocess
+    import sys
+
+    from omegaconf import OmegaConf
+
+    tq = cluster
+    clear_window(tq)
+    save_dapo_run(tq, tmp_path)
+    hydra = tmp_path / "config.yaml"  # what Hydra saves as <run dir>/.hydra/config.yaml
+    OmegaConf.save(verl_config(tmp_path, DAPO_OVERRIDES), hydra)
+    ckpt = tmp_path / "ckpt"
+
+    # Before the resume: the preflight and the checkpoint source read the storage units.
+    inspect = subprocess.run(
+        [sys.executable, "-m", "tqmon.cli", "inspect", str(ckpt), "--json", "--trainer-config", str(hydra)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    )
+    predicted = json.loads(inspect.stdout)
+    args = ["--log", str(verl_log), "--log-interval", "0.1", "--checkpoint-dir", str(ckpt)]
+    tqmon = tqmon_factory([*args, "--checkpoint-interval", "0.2", "--trainer-config", str(hydra)]).start()
+    monkeypatch.setenv("TQMON_URL", tqmon.url)
+    deadline = time.monotonic() + 20
+    while gauge(tqmon.metrics(), "tqmon_checkpoint_doomed_prompt_groups", reason="filtered") is None:
+        assert time.monotonic() < deadline, tqmon.metrics()
+        time.sleep(0.2)
+    metrics = tqmon.metrics()
+
+    restart_transfer_queue(tq)
+    case = Case("dapo", DAPO_STEP, overrides=DAPO_OVERRIDES)
+    verl = resume(tq, tmp_path, case)
+
+    # verl's own first-step eviction metrics, and the refills of the union it evicted.
+    assert verl.evicted == DAPO_VERL_METRICS
+    head = [n for n in (verl.reissued, verl.warmup_submitted) if n]
+    assert verl.dispatched[: len(head) + 1] == [*head, B]
+    assert sum(verl.dispatched[len(head) + 1 :]) == sum(DAPO_DOOMED.values())
+
+    # The prediction, before verl ran: each group once (failure > stale > filtered), and verl's own counts.
+    assert predicted["doomed"] == DAPO_DOOMED
+    assert predicted["doomed_complete"] is True
+    assert predicted["dapo"]["zero_variance"] == verl.evicted["filtered"]
+    assert predicted["doomed"]["stale"] == verl.evicted["stale"]
+    assert predicted["doomed"]["failure"] == verl.evicted["failure"]
+    assert predicted["dapo"]["zero_variance_stale"] == verl.evicted["filtered"] - predicted["doomed"]["filtered"]
+    assert predicted["dapo"]["missing_metric"] == 0
+    for reason, count in DAPO_DOOMED.items():
+        assert gauge(metrics, "tqmon_checkpoint_doomed_prompt_groups", reason=reason) == count
+    assert gauge(metrics, "tqmon_source_errors_total", reason="invalid_data", source="checkpoint") == 0

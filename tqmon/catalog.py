@@ -74,7 +74,7 @@ REJECT_REASONS = (
 )
 PICKLE_REFUSAL_REASONS = ("forbidden_global", "oversized_length", "memo_index", "too_deep", "truncated", "malformed")
 STATE_WRITE_FAILURE_REASONS = ("read_only", "no_space", "missing", "io_error")
-SOURCE_ERROR_REASONS = ("read_error", "malformed_line", "timeout", "unavailable", "invalid_data")
+SOURCE_ERROR_REASONS = ("read_error", "malformed_line", "timeout", "unavailable", "invalid_data", "too_large")
 EVENT_OUTCOMES = ("applied", "duplicate")
 LOG_LINE_OUTCOMES = ("event", "ignored", "malformed")
 OTLP_SIGNALS = ("metrics", "logs")
@@ -237,7 +237,8 @@ CATALOG: tuple[MetricSpec, ...] = (
     MetricSpec(
         "tqmon_checkpoint_doomed_prompt_groups",
         MetricType.GAUGE,
-        "Prompt groups the first sample after a resume from the latest checkpoint would evict, by reason.",
+        "Prompt groups the first sample after a resume from the latest checkpoint would evict, by reason "
+        "(filtered under DAPO only with algorithm.filter_groups.metric: read from the storage units).",
         "prompt_groups",
         (REASON,),
     ),

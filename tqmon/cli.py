@@ -126,6 +126,8 @@ def _setting_option(name: str, spec: FieldInfo) -> Callable[[FC], FC]:
         kwargs |= {"type": click.Choice(sorted(args)), "default": spec.default, "show_default": True}
     elif spec.annotation == int | None and spec.default is not None:  # a number or null
         kwargs |= {"metavar": "INT|null", "callback": _threshold, "default": str(spec.default), "show_default": True}
+    elif str in args:  # a name, or none
+        kwargs |= {"metavar": "NAME", "default": None}
     else:
         number = next(arg for arg in (spec.annotation, *args) if arg in (int, float))
         positive = any(getattr(item, "gt", None) == 0 for item in spec.metadata)
@@ -296,7 +298,12 @@ def inspect_checkpoint(checkpoint_dir: Path, step: int | None, as_json: bool, tr
         _warn_if_elsewhere(trainer.trainer_config, root)
     chosen_by = f"--step {step}" if step is not None else None if resolved is None else f"the path {checkpoint_dir}"
     try:
-        reading = read_checkpoint(root, step if step is not None else resolved, progress=_progressbar)
+        reading = read_checkpoint(
+            root,
+            step if step is not None else resolved,
+            progress=_progressbar,
+            filter_metric=None if given is None else given.config.dapo_metric,
+        )
     except NoCheckpointYet:
         raise click.ClickException(_not_a_checkpoint_dir(root)) from None
     except CheckpointError as err:

@@ -7,7 +7,8 @@ saved controller state), so a window and a checkpoint are always classified the 
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from itertools import islice
 from typing import Any, Protocol
@@ -24,6 +25,10 @@ class CompositionError(ValueError):
 
 class Progress(Protocol):
     def update(self, n_steps: int) -> None: ...
+
+
+# Opens one progress bar for a long stage of a read: (label, total).
+ProgressFactory = Callable[[str, int], AbstractContextManager[Progress]]
 
 
 @dataclass(frozen=True, slots=True)

@@ -189,6 +189,11 @@ class CheckpointSaved(_Event):
     orphan_trajectories: Count | None = Field(
         None, description="trajectory keys in partition train whose uid has no prompt key"
     )
+    filter_metric: str | None = Field(
+        None,
+        max_length=200,
+        description="the DAPO metric every finished group's `filtered` verdict was decided with; null: no verdicts",
+    )
 
     @model_validator(mode="after")
     def _breakdowns_agree(self) -> CheckpointSaved:

@@ -74,6 +74,7 @@ class Observed:
     restored: int | None = None
     by_status: dict[str, int] | None = None
     groups: list[GroupCount] | None = None
+    filter_metric: str | None = None  # the DAPO metric every finished group of ``groups`` was judged with
     reissued: int | None = None
     cleared: int | None = None
     target: int | None = None
@@ -244,7 +245,9 @@ def _doomed(obs: Observed, config: WarmupConfig | None, restored: int | None) ->
     if restored == 0:
         return dict.fromkeys(DOOM_REASONS, 0)
     groups = restored_groups(obs.groups) if obs.groups is not None and obs.checkpoint_step is not None else None
-    return known_doomed(config, status_counts(obs.by_status, obs.groups), groups, obs.checkpoint_step or 0)
+    statuses = status_counts(obs.by_status, obs.groups)
+    decided = obs.filter_metric is not None
+    return known_doomed(config, statuses, groups, obs.checkpoint_step or 0, filter_verdicts=decided)
 
 
 def restores_tq(config: WarmupConfig | None) -> bool:
@@ -276,7 +279,14 @@ def with_checkpoint(obs: Observed, saved: Composition | None, config: WarmupConf
     if obs.restored not in (None, total):
         return obs  # the trainer restored something else: the log's total stands
     evidence = Evidence(source, event.type, event.id, at, f"composition of global_step_{event.step}: {statuses}")
-    return replace(obs, restored=total, by_status=statuses, groups=event.groups, evidence=[*obs.evidence, evidence])
+    return replace(
+        obs,
+        restored=total,
+        by_status=statuses,
+        groups=event.groups,
+        filter_metric=event.filter_metric,
+        evidence=[*obs.evidence, evidence],
+    )
 
 
 def checkpoint_doomed(event: CheckpointSaved, config: WarmupConfig | None) -> dict[str, int] | None:
@@ -285,7 +295,7 @@ def checkpoint_doomed(event: CheckpointSaved, config: WarmupConfig | None) -> di
     if statuses is None:
         return None
     groups = restored_groups(event.groups) if event.groups is not None else None
-    return known_doomed(config, statuses, groups, event.step)
+    return known_doomed(config, statuses, groups, event.step, filter_verdicts=event.filter_metric is not None)
 
 
 def predict_resume(saved: CheckpointSaved, reissued: int, cleared: int, config: WarmupConfig | None) -> ResumeRecord:

@@ -206,7 +206,12 @@ class Service:
             else None
         )
         self.checkpoint_source = (
-            CheckpointSource(config.checkpoint_dir, self.tracker, interval=config.checkpoint_interval)
+            CheckpointSource(
+                config.checkpoint_dir,
+                self.tracker,
+                interval=config.checkpoint_interval,
+                filter_metric=config.trainer.config.dapo_metric if config.trainer else None,
+            )
             if config.checkpoint_dir is not None
             else None
         )

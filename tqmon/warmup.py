@@ -115,6 +115,15 @@ class TrainerConfig(BaseModel):
         Field(description="algorithm.filter_groups.enable"),
         Verl("algorithm.filter_groups.enable", "algorithm.filter_groups.enable (DAPO)."),
     ] = False
+    filter_groups_metric: Annotated[
+        str | None,
+        Field(max_length=200, description="algorithm.filter_groups.metric (the checkpoint predicts DAPO with it)"),
+        Verl(
+            "algorithm.filter_groups.metric",
+            "algorithm.filter_groups.metric: with --filter-groups, the checkpoint's storage units predict "
+            "the groups DAPO filters ('reward' reads rm_scores).",
+        ),
+    ] = None
     rollout_n: Annotated[
         int | None,
         Field(gt=0, description="actor_rollout_ref.rollout.n"),
@@ -124,6 +133,11 @@ class TrainerConfig(BaseModel):
             "actor_rollout_ref.rollout.n: trajectories per prompt group; needed for the rollouts a resume wasted.",
         ),
     ] = None
+
+    @property
+    def dapo_metric(self) -> str | None:
+        """The metric to read from a checkpoint's storage units: only when DAPO is on and its metric is known."""
+        return self.filter_groups_metric if self.filter_groups else None
 
     def warmup_config(self, trainer_mode: str) -> WarmupConfig:
         return WarmupConfig(trainer_mode=trainer_mode, **self.model_dump())
@@ -236,7 +250,7 @@ class RestoredGroup:
 
     status: str
     global_steps: int
-    filtered: bool = False  # DAPO would reject it (zero reward variance); only a plugin can know
+    filtered: bool = False  # DAPO would reject it (zero metric variance): a plugin's or the storage units' verdict
 
 
 def is_stale(config: WarmupConfig, group_global_steps: int, sample_step: int) -> bool:
@@ -277,16 +291,20 @@ def known_doomed(
     statuses: Mapping[str, int] | None,
     groups: Sequence[RestoredGroup] | None,
     checkpoint_step: int,
+    *,
+    filter_verdicts: bool = False,
 ) -> dict[str, int] | None:
     """Doomed groups by the reasons what was observed can decide; None when it decides none.
 
     With the composition and the config all three are decided, except ``filtered`` under DAPO when no
-    group carries a verdict (verdicts need rewards, which only a plugin sees). With the statuses alone:
-    ``failure``, plus the reasons the config rules out.
+    group carries a verdict: ``filter_verdicts`` says every finished group's ``filtered`` flag was decided
+    from its metric (the checkpoint's storage units), so ``False`` means kept, not unknown. Without it
+    only a plugin's ``filtered=True`` decides. With the statuses alone: ``failure``, plus the reasons the
+    config rules out.
     """
     if groups is not None and config is not None:
         doomed = classify_doomed(config, groups, checkpoint_step)
-        if config.filter_groups and not any(group.filtered for group in groups):
+        if config.filter_groups and not filter_verdicts and not any(group.filtered for group in groups):
             del doomed["filtered"]
         return doomed
     known: dict[str, int] = {}
@@ -298,6 +316,46 @@ def known_doomed(
         if not config.filter_groups:
             known["filtered"] = 0
     return known or None
+
+
+def pairwise_sum(values: Sequence[float]) -> float:
+    """``numpy.add.reduce`` of a float64 array: numpy's pairwise summation, bit for bit (numpy 2.x)."""
+
+    def block(lo: int, n: int) -> float:
+        if n < 8:
+            total = 0.0
+            for i in range(lo, lo + n):
+                total += values[i]
+            return total
+        if n <= 128:
+            r = [float(v) for v in values[lo : lo + 8]]
+            i = 8
+            while i < n - n % 8:
+                for j in range(8):
+                    r[j] += values[lo + i + j]
+                i += 8
+            total = ((r[0] + r[1]) + (r[2] + r[3])) + ((r[4] + r[5]) + (r[6] + r[7]))
+            for k in range(lo + i, lo + n):
+                total += values[k]
+            return total
+        half = n // 2
+        half -= half % 8
+        return block(lo, half) + block(lo + half, n - half)
+
+    return block(0, len(values))
+
+
+def is_zero_variance(values: Sequence[float]) -> bool:
+    """verl 0.9.1's DAPO test for one finished group: ``len(values) > 1 and float(np.std(values)) == 0.0``.
+
+    ``np.std`` is zero exactly when every squared deviation from numpy's mean is zero, so the mean must be
+    numpy's: three trajectories of 0.1 have a mean of 0.10000000000000002 and are *not* filtered.
+    A NaN or an infinity makes the deviation NaN: never filtered.
+    """
+    if len(values) < 2:
+        return False
+    mean = pairwise_sum(values) / len(values)
+    return all((v - mean) * (v - mean) == 0.0 for v in values)
 
 
 def under_submitted(target: int, restored: int, doomed: int, submitted: int) -> int:

@@ -13,7 +13,7 @@ import io
 import json
 import os
 import re
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
@@ -21,8 +21,9 @@ from pathlib import Path
 from typing import Any
 
 from tqmon.checkpoint.picklescan import PickleRefused, scan
+from tqmon.checkpoint.storage import FilterVerdicts, filter_verdicts, with_verdicts
 from tqmon.checkpoint.unpickler import TRUNCATED, CheckpointError, PartitionState, restricted_load
-from tqmon.composition import EMPTY, Composition, CompositionError, Progress, compose
+from tqmon.composition import EMPTY, Composition, CompositionError, Progress, ProgressFactory, compose
 from tqmon.events import CheckpointSaved
 
 LATEST_FILE = "latest_checkpointed_iteration.txt"
@@ -32,10 +33,9 @@ TQ_DIR = "transfer_queue"
 METADATA_FILE = "metadata.json"
 CONTROLLER_FILE = "controller_state.pkl"
 TRAIN = "train"
-# A controller_state.pkl at least this big gets progress bars in ``tqmon inspect`` (~125 bytes per key).
+# A controller_state.pkl or storage unit at least this big gets progress bars in ``tqmon inspect``
+# (~125 bytes per key).
 LARGE_CHECKPOINT_BYTES = 4 << 20
-
-ProgressFactory = Callable[[str, int], AbstractContextManager[Progress]]
 
 
 class _NoProgress:
@@ -45,6 +45,17 @@ class _NoProgress:
 
 def _no_progress(label: str, total: int) -> AbstractContextManager[Progress]:
     return nullcontext(_NoProgress())
+
+
+def _large_only(progress: ProgressFactory | None) -> ProgressFactory:
+    """``progress`` for a file of at least :data:`LARGE_CHECKPOINT_BYTES`; smaller ones are read before a bar helps."""
+
+    def factory(label: str, total: int) -> AbstractContextManager[Progress]:
+        if progress is None or total < LARGE_CHECKPOINT_BYTES:
+            return _no_progress(label, total)
+        return progress(label, total)
+
+    return factory
 
 
 class _ProgressReader:
@@ -70,8 +81,9 @@ class _ProgressReader:
         return data
 
 
-def partition_tags(state: object, partition_id: str = TRAIN) -> dict[str, Any]:
-    """``{key: tag}`` of one partition of an unpickled controller state, exactly as ``kv_list`` builds it.
+def partition_keys(state: object, partition_id: str = TRAIN) -> list[tuple[str, object, object]]:
+    """``(key, global index, tag)`` of one partition of an unpickled controller state, in ``keys_mapping``
+    order: the tags as ``kv_list`` builds them, the indexes where the storage units hold each key's fields.
 
     A partition that does not exist is empty (verl then restores 0 prompt groups).
     """
@@ -79,19 +91,19 @@ def partition_tags(state: object, partition_id: str = TRAIN) -> dict[str, Any]:
         raise CheckpointError("invalid_data", "controller state has no 'partitions' dict")
     partition = state["partitions"].get(partition_id)
     if partition is None:
-        return {}
+        return []
     if not isinstance(partition, PartitionState):
         raise CheckpointError("invalid_data", f"partition {partition_id!r} is {type(partition).__name__}")
     keys_mapping = partition.state.get("keys_mapping")
     custom_meta = partition.state.get("custom_meta")
     if not isinstance(keys_mapping, dict) or not isinstance(custom_meta, dict):
         raise CheckpointError("invalid_data", f"partition {partition_id!r} lacks keys_mapping/custom_meta dicts")
-    tags: dict[str, Any] = {}
+    keys: list[tuple[str, object, object]] = []
     for key, index in keys_mapping.items():
         if not isinstance(key, str):
             raise CheckpointError("invalid_data", f"partition {partition_id!r} has a non-string key {key!r}")
-        tags[key] = custom_meta.get(index, {})
-    return tags
+        keys.append((key, index, custom_meta.get(index, {})))
+    return keys
 
 
 @dataclass(frozen=True, slots=True)
@@ -106,22 +118,28 @@ class CheckpointReading:
     storage_saved: bool | None = None
     saved_at_ns: int = 0  # mtime of controller_state.pkl (or of global_step_N without a TQ dir)
     size_bytes: int = 0  # of controller_state.pkl
+    filter_verdicts: FilterVerdicts | None = None  # DAPO's, read from the storage units when its metric is known
+    filter_error: CheckpointError | None = None  # why the verdicts could not be read (the composition stands)
 
     @property
     def event_id(self) -> str:
         return f"checkpoint:{self.step}:{self.saved_at_ns}"
 
     def to_event(self) -> CheckpointSaved:
-        """The one event the checkpoint source ingests for this checkpoint."""
+        """The one event the checkpoint source ingests for this checkpoint: with DAPO's verdicts once every
+        finished group has one (a missing metric decides nothing)."""
         c = self.composition
+        groups = c.group_counts()
+        verdicts = self.filter_verdicts if self.filter_verdicts is not None and self.filter_verdicts.decided else None
         return CheckpointSaved(
             id=self.event_id,
             time=datetime.fromtimestamp(self.saved_at_ns / 1e9, UTC),
             step=self.step,
             path=str(self.tq_dir or self.root / STEP_DIR.format(self.step)),
             by_status=c.by_status,
-            groups=c.group_counts(),
+            groups=groups if verdicts is None else with_verdicts(groups, verdicts),
             orphan_trajectories=c.orphan_trajectories,
+            filter_metric=None if verdicts is None else verdicts.metric,
         )
 
 
@@ -220,12 +238,14 @@ def read_metadata(tq_dir: Path, step: int) -> tuple[bool | None, dict[str, Any]]
 
 
 def read_checkpoint(
-    root: Path, step: int | None = None, *, progress: ProgressFactory | None = None
+    root: Path, step: int | None = None, *, progress: ProgressFactory | None = None, filter_metric: str | None = None
 ) -> CheckpointReading:
     """Read ``global_step_N`` (default: the latest) without writing anything; raises :class:`CheckpointError`.
 
     ``progress`` is called for the read and the classification of a checkpoint of at least
-    :data:`LARGE_CHECKPOINT_BYTES`.
+    :data:`LARGE_CHECKPOINT_BYTES`, and for each storage unit of that size. ``filter_metric`` (DAPO's
+    ``algorithm.filter_groups.metric``) also reads the storage units for the verdicts; a failure there is
+    kept as ``filter_error`` and the composition stands.
     """
     chosen = step is not None
     if step is None:
@@ -256,14 +276,23 @@ def read_checkpoint(
     except CheckpointError as err:
         raise CheckpointError(err.reason, f"{path}: {err}", err.refusal) from None
     try:
-        tags = partition_tags(state)
+        keys = partition_keys(state)
+        tags = {key: tag for key, _, tag in keys}
         with factory(f"classifying {len(tags)} keys", len(tags)) as bar:
             composition = compose(tags, bar)
     except CheckpointError as err:
         raise CheckpointError(err.reason, f"{path}: {err}") from None
     except CompositionError as err:
         raise CheckpointError("invalid_data", f"{path}: {err}") from None
-    return CheckpointReading(root, step, tq_dir, composition, user, storage_saved, st.st_mtime_ns, st.st_size)
+    verdicts, filter_error = None, None
+    if filter_metric is not None:
+        try:
+            verdicts = filter_verdicts(keys, tq_dir, filter_metric, progress=_large_only(progress))
+        except CheckpointError as err:
+            filter_error = err
+    return CheckpointReading(
+        root, step, tq_dir, composition, user, storage_saved, st.st_mtime_ns, st.st_size, verdicts, filter_error
+    )
 
 
 def _stat(path: Path) -> os.stat_result:

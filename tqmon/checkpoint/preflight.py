@@ -8,9 +8,10 @@ from datetime import UTC, datetime
 from typing import Any
 
 from tqmon.checkpoint.layout import LATEST_FILE, STEP_DIR, TQ_DIR, CheckpointReading
+from tqmon.checkpoint.storage import FilterVerdicts
 from tqmon.reconcile import predict_resume
 from tqmon.snapshot import ResumeRecord
-from tqmon.warmup import DOOM_REASONS, WarmupConfig, WarmupState
+from tqmon.warmup import DOOM_REASONS, WarmupConfig, WarmupState, is_stale
 
 
 @dataclass(frozen=True, slots=True)
@@ -103,9 +104,59 @@ class Preflight:
             )
         if self.warmup_state is WarmupState.SYNC_MODE:
             return ("sync mode: verl neither restores nor re-issues TransferQueue state; nothing of it comes back",)
-        if "filtered" not in self.doomed:
-            return ("filter_groups is on: groups DAPO filters are not in the checkpoint, the deficit is a minimum",)
-        return ()
+        return self.dapo_notes
+
+    def zero_variance(self, verdicts: FilterVerdicts) -> tuple[int, int]:
+        """DAPO's zero-variance finished groups, and how many of them are also stale at the first sample:
+        verl counts the latter under both evictions, doomed only as stale."""
+        zero = sum(verdicts.filtered.values())
+        if self.config is None:
+            return zero, 0
+        config, sample_step = self.config, self.sample_step
+        return zero, sum(n for steps, n in verdicts.filtered.items() if is_stale(config, steps, sample_step))
+
+    @property
+    def dapo_notes(self) -> tuple[str, ...]:
+        """What the storage units told about DAPO's filter, or why they could not."""
+        if self.config is None or not self.config.filter_groups:
+            return ()
+        verdicts, error = self.reading.filter_verdicts, self.reading.filter_error
+        if error is not None:
+            return (f"filter_groups is on but the storage units could not be read ({error}): filtered is unknown",)
+        if verdicts is None:
+            if "filtered" in self.doomed:
+                return ()  # nothing restored: nothing to filter
+            return (
+                "filter_groups is on: give --filter-groups-metric (algorithm.filter_groups.metric) to predict the "
+                "groups DAPO filters from the storage units; until then the deficit is a minimum",
+            )
+        if not verdicts.decided:
+            return (
+                f"{verdicts.missing} finished group(s) lack DAPO metric {verdicts.metric!r} on some trajectory: "
+                "verl 0.9.1 raises RuntimeError ('Finished groups are missing DAPO metric') at the first sample",
+            )
+        zero, stale = self.zero_variance(verdicts)
+        return (
+            f"DAPO ({verdicts.metric}): {zero} of {verdicts.finished} finished groups have zero variance; verl "
+            f"reports {zero} as filter_groups/evicted_samples, {stale} of them also as off_policy (doomed counts "
+            "those as stale)",
+        )
+
+    def dapo_json(self) -> dict[str, Any] | None:
+        """``tqmon inspect --json``'s ``dapo`` block: the verdicts as verl's first-step metrics will count them."""
+        verdicts = self.reading.filter_verdicts
+        if verdicts is None:
+            return None if self.reading.filter_error is None else {"error": str(self.reading.filter_error)}
+        zero, stale = self.zero_variance(verdicts)
+        return {
+            "metric": verdicts.metric,
+            "finished_judged": verdicts.finished,
+            "zero_variance": zero,  # verl's training/filter_groups/evicted_samples (it counts stale ones too)
+            "zero_variance_stale": stale,  # also training/off_policy/evicted_samples: doomed counts them as stale
+            "missing_metric": verdicts.missing,
+            "trajectories_read": verdicts.trajectories,
+            "storage_bytes": verdicts.storage_bytes,
+        }
 
     def to_json(self) -> dict[str, Any]:
         c = self.reading.composition
@@ -136,6 +187,7 @@ class Preflight:
             "under_submitted_is_lower_bound": self.under_submitted is not None and not self.doomed_complete,
             "controller_state_bytes": self.reading.size_bytes,
             "saved_at": self.reading.saved_at_ns / 1e9,
+            "dapo": self.dapo_json(),
             "notes": list(self.notes),
         }
 

@@ -79,6 +79,7 @@ def trainer_settings(config: Any) -> tuple[str, TrainerConfig]:
         max_off_policy_threshold=sampler.get("max_off_policy_threshold", 8),
         max_off_policy_strategy=sampler.get("max_off_policy_strategy", "drop"),
         filter_groups=bool(filter_groups is not None and filter_groups.get("enable", False)),
+        filter_groups_metric=None if filter_groups is None else filter_groups.get("metric", None),
         rollout_n=config.get("actor_rollout_ref", {}).get("rollout", {}).get("n", None),
     )
 

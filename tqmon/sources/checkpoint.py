@@ -1,4 +1,6 @@
-"""``--checkpoint-dir``: what the next resume from verl's newest checkpoint will restore, before it happens."""
+"""``--checkpoint-dir``: what the next resume from verl's newest checkpoint will restore, before it happens.
+
+Under DAPO with a known metric it also reads the storage units for the groups DAPO will filter."""
 
 from __future__ import annotations
 
@@ -17,12 +19,16 @@ class CheckpointSource:
 
     name = SourceName.CHECKPOINT
 
-    def __init__(self, checkpoint_dir: Path, tracker: Tracker, *, interval: float = 10.0) -> None:
+    def __init__(
+        self, checkpoint_dir: Path, tracker: Tracker, *, interval: float = 10.0, filter_metric: str | None = None
+    ) -> None:
         self.checkpoint_dir = Path(checkpoint_dir)
         self.tracker = tracker
         self.interval = interval
+        self.filter_metric = filter_metric  # DAPO's algorithm.filter_groups.metric: read the storage units too
         self._seen: tuple[object, ...] | None = None  # signature of the last read
         self._error: CheckpointError | None = None  # its error, re-reported until the files change
+        self._filter_error: CheckpointError | None = None  # the storage units' of a readable checkpoint
         self._loop = PollingLoop(self.name, tracker, self.poll, interval)
         tracker.register_source(self.name, stale_after=max(30.0, 10 * interval), watching=str(checkpoint_dir))
 
@@ -34,18 +40,21 @@ class CheckpointSource:
 
     def poll(self) -> float:
         """One look at the checkpoint dir; a checkpoint it cannot read is this source's failure, no checkpoint
-        yet is not."""
+        yet is not. Storage units it cannot read are counted once per checkpoint; the composition stands."""
         started = time.monotonic()
         current = signature(self.checkpoint_dir)
         if current != self._seen:
-            self._seen, self._error = None, None  # read again next time if this read dies of a bug
+            self._seen, self._error, self._filter_error = None, None, None  # read again if this read dies of a bug
             try:
-                reading = read_checkpoint(self.checkpoint_dir)
+                reading = read_checkpoint(self.checkpoint_dir, filter_metric=self.filter_metric)
             except CheckpointError as err:
                 self._error = err
                 if err.refusal is not None:  # counted once per file version, like the read
                     self.tracker.count(Tally.PICKLE_REFUSALS, (err.refusal,))
             else:
+                self._filter_error = reading.filter_error
+                if reading.filter_error is not None:
+                    self.tracker.source_error(self.name, reading.filter_error.reason)
                 self.tracker.ingest([reading.to_event()], self.name)
             self._seen = current
         duration = time.monotonic() - started
@@ -53,6 +62,9 @@ class CheckpointSource:
             self.tracker.source_succeeded(self.name, duration, state=f"{self._error}: waiting")
         elif self._error is not None:
             self.tracker.source_failed(self.name, self._error.reason, str(self._error), duration=duration)
+        elif self._filter_error is not None:
+            state = f"DAPO's filtered groups unknown: {self._filter_error}"
+            self.tracker.source_succeeded(self.name, duration, state=state)
         else:
             self.tracker.source_succeeded(self.name, duration)
         return self.interval
