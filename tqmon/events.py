@@ -18,6 +18,7 @@ from pydantic import (
     NonNegativeFloat,
     TypeAdapter,
     ValidationError,
+    WithJsonSchema,
     field_validator,
     model_validator,
 )
@@ -41,6 +42,8 @@ def _json_number(value: object) -> object:
     return value
 
 
+# ``time`` takes unix seconds too, so the OpenAPI document says so (a number is not a schema violation).
+TIME_SCHEMA = {"anyOf": [{"type": "string", "format": "date-time"}, {"type": "number"}, {"type": "null"}]}
 # Counts and steps are bounded so every value stays exact as a Prometheus float (2**53).
 Count = Annotated[int, BeforeValidator(_json_number), Field(ge=0, le=2**53)]
 EventId = Annotated[str, Field(min_length=1, max_length=200, description="Unique id; a repeated id is applied once.")]
@@ -58,7 +61,7 @@ class _Event(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, json_schema_extra=_type_required)
 
     id: EventId
-    time: datetime | None = Field(
+    time: Annotated[datetime | None, WithJsonSchema(TIME_SCHEMA)] = Field(
         None, description="When it happened (ISO 8601 or unix seconds); defaults to when tqmon received it."
     )
 

@@ -38,6 +38,7 @@ def _not_bool(value: object) -> object:
 
 
 NOT_BOOL = BeforeValidator(_not_bool)  # on every numeric trainer setting
+MAX_SETTING = 2**53  # bounds the sizes so T (and every count derived from them) stays finite and exact
 
 
 class WarmupState(enum.StrEnum):
@@ -72,19 +73,21 @@ class TrainerConfig(BaseModel):
 
     train_batch_size: Annotated[
         int,
-        Field(gt=0, description="data.train_batch_size"),
+        Field(gt=0, le=MAX_SETTING, description="data.train_batch_size"),
         NOT_BOOL,
         Verl("data.train_batch_size", "data.train_batch_size (B); needed for T."),
     ]
     gen_batch_size: Annotated[
         int | None,
-        Field(gt=0, description="data.gen_batch_size (async modes force 1)"),
+        Field(gt=0, le=MAX_SETTING, description="data.gen_batch_size (async modes force 1)"),
         NOT_BOOL,
         Verl("data.gen_batch_size", "data.gen_batch_size (the async modes and DAPO force 1)."),
     ] = None
     num_warmup_batches: Annotated[
         float,
-        Field(description="trainer.v1.<mode>.num_warmup_batches (may be fractional)"),
+        Field(
+            le=MAX_SETTING, allow_inf_nan=False, description="trainer.v1.<mode>.num_warmup_batches (may be fractional)"
+        ),
         NOT_BOOL,
         Verl(
             "trainer.v1.<mode>.num_warmup_batches",
@@ -93,7 +96,7 @@ class TrainerConfig(BaseModel):
     ]
     skip_rollout_tq: Annotated[
         bool,
-        Field(description="skip.rollout_tq.enable"),
+        Field(strict=True, description="skip.rollout_tq.enable"),  # 0 or "yes" is not a boolean
         Verl("skip.rollout_tq.enable", "skip.rollout_tq.enable (disables the warmup)."),
     ] = False
     max_off_policy_threshold: Annotated[
@@ -112,7 +115,7 @@ class TrainerConfig(BaseModel):
     ] = "drop"
     filter_groups: Annotated[
         bool,
-        Field(description="algorithm.filter_groups.enable"),
+        Field(strict=True, description="algorithm.filter_groups.enable"),
         Verl("algorithm.filter_groups.enable", "algorithm.filter_groups.enable (DAPO)."),
     ] = False
     filter_groups_metric: Annotated[
@@ -126,7 +129,7 @@ class TrainerConfig(BaseModel):
     ] = None
     rollout_n: Annotated[
         int | None,
-        Field(gt=0, description="actor_rollout_ref.rollout.n"),
+        Field(gt=0, le=MAX_SETTING, description="actor_rollout_ref.rollout.n"),
         NOT_BOOL,
         Verl(
             "actor_rollout_ref.rollout.n",
