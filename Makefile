@@ -1,9 +1,13 @@
 # Two entry points for a fresh clone: `make demo` and `make test`. Both build the venv from this
-# repository's own files; `make test` also installs Debian's prometheus (promtool) and chromium when missing.
+# repository's own files; `make test` also installs the Debian packages the tests run (prometheus/promtool,
+# podman, runc, debootstrap, kubectl, chromium) when missing, and checkov in a venv of its own.
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 TORCH_VERSION := 2.13.0
+
+CHECKOV_VENV := .venv-checkov
+CHECKOV_VERSION := 3.3.30
 
 .PHONY: demo test lint typecheck unit docs bench fuzz soak clean system-deps
 
@@ -15,13 +19,23 @@ $(BIN)/tqmon: pyproject.toml
 	$(BIN)/pip install --quiet -e '.[dev,tq,otel,verl]'
 	touch $@
 
+# Debian package of each command the tests run: the image test (podman, runc, debootstrap), the manifest
+# tests (kubectl), the unit-file test (systemd-analyze), the Prometheus tests (prometheus, promtool) and the
+# headless browser test of the status page (chromium).
+SYSTEM_DEPS := promtool:prometheus prometheus:prometheus podman:podman runc:runc debootstrap:debootstrap \
+	kubectl:kubernetes-client systemd-analyze:systemd chromium:chromium
+
 system-deps:
-	@command -v promtool >/dev/null && command -v prometheus >/dev/null || { \
-	  echo "installing Debian's prometheus (for promtool and the end-to-end tests)"; \
-	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq prometheus >/dev/null; }
-	@command -v chromium >/dev/null || { \
-	  echo "installing Debian's chromium (headless browser test of the status page)"; \
-	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null; }
+	@missing=$$(for pair in $(SYSTEM_DEPS); do command -v $${pair%%:*} >/dev/null || echo $${pair#*:}; done | sort -u); \
+	if [ -n "$$missing" ]; then \
+	  echo "installing Debian packages:" $$missing; \
+	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing >/dev/null; \
+	fi
+
+# checkov pins dozens of dependencies of its own: keep it out of the project venv.
+$(CHECKOV_VENV)/bin/checkov:
+	$(PYTHON) -m venv $(CHECKOV_VENV)
+	$(CHECKOV_VENV)/bin/pip install --quiet checkov==$(CHECKOV_VERSION)
 
 demo: $(BIN)/tqmon
 	$(BIN)/tqmon demo
@@ -33,20 +47,23 @@ lint: $(BIN)/tqmon
 typecheck: $(BIN)/tqmon
 	$(BIN)/mypy
 
-unit: $(BIN)/tqmon system-deps
+unit: $(BIN)/tqmon system-deps $(CHECKOV_VENV)/bin/checkov
 	$(BIN)/pytest
 
 test: lint typecheck unit
 
 docs: $(BIN)/tqmon
-	$(BIN)/python -m mixin.docs && $(BIN)/python -m mixin.rules && $(BIN)/python -m mixin.dashboards
+	$(BIN)/python -m mixin.docs && $(BIN)/python -m mixin.rules && $(BIN)/python -m mixin.dashboards \
+	  && $(BIN)/python -m mixin.kubernetes
 
 bench: $(BIN)/tqmon
 	$(BIN)/python bench/bench_service.py
 	$(BIN)/python bench/bench_tq_poll.py
 	$(BIN)/python bench/bench_verl_plugin.py
 	$(BIN)/python bench/bench_startup.py
+	$(BIN)/python bench/bench_verl_share.py
 	$(BIN)/python bench/bench_checkpoint_read.py
+	$(BIN)/python bench/bench_image.py
 
 # The schemathesis run of the test suite with a 20x budget (tests/test_api_fuzz.py).
 fuzz: $(BIN)/tqmon
@@ -57,4 +74,4 @@ soak: $(BIN)/tqmon system-deps
 	PYTHONPATH=. $(BIN)/python bench/soak.py  # reuses the tests' tqmon and Prometheus launchers
 
 clean:
-	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache tqmon-state
+	rm -rf $(VENV) $(CHECKOV_VENV) .pytest_cache .mypy_cache .ruff_cache tqmon-state

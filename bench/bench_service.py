@@ -8,7 +8,7 @@ writes only to a temporary directory. Every tqmon is a real ``tqmon serve`` subp
   Metrics render only the last record, so the 10k/1 ratio should stay close to 1.
 - ``POST /api/v1/events`` throughput for single events and for batches of 100.
 - Log tailing throughput: a ``LogSource``'s first poll (the ``serve`` path, on-disk store, a transaction per
-  10k lines) and ``ingest_file`` (the ``analyze`` path, in-memory store) over 200k generated lines.
+  10k lines) and ``postmortem.analyze`` (the ``analyze`` path, in-memory store) over 200k generated lines.
 - OTLP push: the cost of one export of the whole catalog (collect from the snapshot, encode, POST to a real
   protobuf receiver on loopback) with 1 and 10,000 stored resume records, and ``/metrics`` latency of a tqmon
   pushing every 100 ms against one that does not, side by side (target: p95 on <= 1.1x off).
@@ -32,8 +32,9 @@ import httpx
 
 from tqmon.events import parse_event
 from tqmon.exporters.otlp import OTLPExporter, base_resource, settings
+from tqmon.postmortem import LogZone, analyze
 from tqmon.snapshot import Snapshot, Tally
-from tqmon.sources.logfile import LogSource, ingest_file
+from tqmon.sources.logfile import LogSource
 from tqmon.store import StateStore
 from tqmon.tracker import Tracker
 
@@ -57,6 +58,17 @@ RUN_STARTED: dict[str, Any] = {
     "verl_version": "0.9.1",
     "config": {"train_batch_size": 4, "num_warmup_batches": 3},
 }
+
+
+def stop_process(proc: subprocess.Popen[Any], timeout: float) -> None:
+    """Terminate a benchmarked process, killing it if it does not exit within ``timeout``."""
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
 
 
 def free_port() -> int:
@@ -146,13 +158,8 @@ class Tqmon:
         raise RuntimeError(f"tqmon did not come up in {START_TIMEOUT:.0f}s: {self.out.read_text()[-2000:]}")
 
     def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        if self.proc is not None:
+            stop_process(self.proc, timeout=10)
 
 
 @contextmanager
@@ -341,13 +348,10 @@ def bench_log(tmp: Path) -> str:
     events = outcomes.get(("event",), 0)
     rows.append(["LogSource (serve)", f"{lines:,}", f"{events:,}", f"{elapsed:.2f}", f"{lines / elapsed:,.0f}"])
 
-    tracker = Tracker(StateStore(None))
-    tracker.register_source("log", stale_after=None)
     started = time.perf_counter()
-    ingest_file(str(path), tracker)
+    events = analyze([str(path)], zone=LogZone.of("UTC")).events
     elapsed = time.perf_counter() - started
-    events = tracker.snapshot.counters[Tally.LOG_LINES].get(("event",), 0)
-    rows.append(["ingest_file (analyze)", f"{lines:,}", f"{events:,}", f"{elapsed:.2f}", f"{lines / elapsed:,.0f}"])
+    rows.append(["postmortem (analyze)", f"{lines:,}", f"{events:,}", f"{elapsed:.2f}", f"{lines / elapsed:,.0f}"])
     return table(
         f"Log tailing ({size_mb:.1f} MB generated verl-like log, cold start at offset 0)",
         ["path", "lines", "events", "seconds", "lines/s"],

@@ -9,7 +9,9 @@ without fields registers new keys with their tags and never touches a storage un
 - ``kv_list`` call time through tqmon's read-only ``ControllerClient`` (what the poller calls) and the
   trainer's ``tq.kv_list`` (what verl's ``_count_tq_prompt_groups`` calls), taking turns;
 - tqmon's full aggregation (``windows_from``: both partitions, every status, ages, orphans) against a bare
-  prompt count like verl's on the same reply (issue 3 target: at most 1.5x);
+  prompt count like verl's on the same reply (issue 15 target: at most 3x), and its profile: the
+  classification pass (prompt groups by status and step, trajectory keys collected) and the trajectory
+  attribution pass (each trajectory key split and looked up by its uid: orphans and in-flight);
 - what the default 1% budget makes of the measured cost: the interval ``PollBudget`` picks and its busy share;
 - a real ``tqmon serve --ray-address`` subprocess polling flat out (``--tq-budget 1``, 0.5 s interval):
   ``GET /metrics`` latency once it has read the whole window (target: 1M within 1.2x of 1k), its RSS,
@@ -39,8 +41,9 @@ from typing import Any
 os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"  # keep Ray on 127.0.0.1; before ray is imported
 
 import httpx
-from bench_service import free_port, percentile, table
+from bench_service import free_port, percentile, stop_process, table
 
+from tqmon.composition import attribute, classify_keys
 from tqmon.sim.rollout import trajectory_tag
 from tqmon.sources.tq import ControllerClient, PollBudget, PollSettings, windows_from
 
@@ -168,17 +171,29 @@ def mib(size: int | None) -> str:
     return "n/a" if size is None else f"{size / 2**20:,.0f}"
 
 
-class Tqmon:
-    """``tqmon serve --ray-address`` joining this cluster as a subprocess, polling as fast as it can."""
+FAST_POLLING = (
+    "--tq-budget",
+    "1",
+    "--tq-min-interval",
+    "0.5",
+    "--tq-max-interval",
+    "0.5",
+    "--tq-timeout",
+    str(CALL_TIMEOUT),
+)
 
-    def __init__(self, gcs: str, workdir: Path) -> None:
+
+class Tqmon:
+    """``tqmon serve --ray-address`` joining this cluster as a subprocess, polling as fast as it can (or as
+    ``polling`` says)."""
+
+    def __init__(self, gcs: str, workdir: Path, polling: Sequence[str] = FAST_POLLING) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.out = workdir / f"tqmon-{self.port}.out"
         command = [sys.executable, "-m", "tqmon.cli", "serve", "--listen", f"127.0.0.1:{self.port}"]
         command += ["--state-dir", str(workdir / f"state-{self.port}"), "--log-level", "warning"]
-        command += ["--ray-address", gcs, "--tq-budget", "1", "--tq-min-interval", "0.5", "--tq-max-interval", "0.5"]
-        command += ["--tq-timeout", str(CALL_TIMEOUT)]
+        command += ["--ray-address", gcs, *polling]
         with self.out.open("ab") as out:
             # os.environ carries RAY_AUTH_MODE=token (set by ray.init) so the subprocess may join.
             self.proc = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=os.environ)
@@ -205,13 +220,7 @@ class Tqmon:
         raise TimeoutError(f"tqmon did not read {keys:,} keys in time: {self.out.read_text()[-2000:]}")
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        stop_process(self.proc, timeout=30)
 
 
 @contextmanager
@@ -233,6 +242,8 @@ class Result:
     trainer_list: list[float] = field(default_factory=list)
     full: list[float] = field(default_factory=list)
     bare: list[float] = field(default_factory=list)
+    classify: list[float] = field(default_factory=list)  # windows_from's first pass over train
+    attribute: list[float] = field(default_factory=list)  # its second pass, over train's trajectory keys
     steady: tuple[float, float | None] = (0.0, None)  # interval chosen at 1%, busy share
     fast: tuple[float, float | None] = (0.0, None)
     span: float = 0.0  # seconds each latency series under polling was spread over
@@ -310,9 +321,13 @@ def time_kv_list(result: Result, trainer: Trainer, client: ControllerClient) -> 
 
 
 def time_aggregation(result: Result, reply: dict[str, dict[str, Any]]) -> None:
+    train = reply["train"]
+    _, trajectory_keys = classify_keys(train)
     for _ in range(repeats(result.size)):
         result.full.append(timed(lambda: windows_from(reply, None, time.time())))
         result.bare.append(timed(lambda: bare_count(reply)))
+        result.classify.append(timed(lambda: classify_keys(train)))
+        result.attribute.append(timed(lambda: attribute(train, trajectory_keys)))
 
 
 def measure(trainer: Trainer, client: ControllerClient, size: int, workdir: Path) -> Result:
@@ -385,6 +400,8 @@ def size_table(r: Result) -> str:
         ["kv_list via trainer tq.kv_list", *ms(r.trainer_list), f"{len(r.trainer_list)}"],
         ["windows_from (tqmon aggregation)", *ms(r.full), f"{len(r.full)}"],
         ["bare prompt count (verl)", *ms(r.bare), f"{len(r.bare)}"],
+        ["  profile: classification pass (train)", *ms(r.classify), f"{len(r.classify)}"],
+        ["  profile: trajectory attribution (train)", *ms(r.attribute), f"{len(r.attribute)}"],
         ["GET /metrics while tqmon polls", *ms(r.scrapes), f"{len(r.scrapes)}"],
     ]
     for name, (idle, polled) in r.stall.items():
@@ -394,7 +411,9 @@ def size_table(r: Result) -> str:
     steady, steady_busy = r.steady
     fast, fast_busy = r.fast
     notes = [
-        f"aggregation / bare count (medians): {ratio:.2f}x (target <= 1.5x)",
+        f"aggregation / bare count (medians): {ratio:.2f}x (target <= 3x); profile: classification "
+        f"{statistics.median(r.classify) / statistics.median(r.bare):.2f}x, trajectory attribution "
+        f"{statistics.median(r.attribute) / statistics.median(r.bare):.2f}x",
         f"default budget 1% (smoothed cost {r.smoothed_cost * 1e3:,.1f} ms): "
         f"steady interval {steady:.2f} s (busy {100 * (steady_busy or 0):.3f}%), "
         f"after a resume {fast:.2f} s (busy {100 * (fast_busy or 0):.3f}%)",
@@ -427,6 +446,8 @@ def summary(results: Sequence[Result]) -> str:
         row("windows_from median ms", lambda r: ms(r.full)[0]),
         row("bare count median ms", lambda r: ms(r.bare)[0]),
         row("aggregation / bare", ratio),
+        row("  classification / bare", lambda r: f"{statistics.median(r.classify) / statistics.median(r.bare):.2f}x"),
+        row("  attribution / bare", lambda r: f"{statistics.median(r.attribute) / statistics.median(r.bare):.2f}x"),
         row("/metrics median ms", lambda r: ms(r.scrapes)[0]),
         row("/metrics p95 ms", lambda r: ms(r.scrapes)[1]),
         row("/metrics max ms", lambda r: ms(r.scrapes)[2]),

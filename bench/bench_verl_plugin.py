@@ -9,6 +9,11 @@ Run with ``.venv/bin/python bench/bench_verl_plugin.py`` (needs the ``verl`` ext
   and building an event plus enqueueing it, as the plugin does a handful of times per start and per save.
 - the window composition read at each checkpoint save, per 10,000 keys (``compose`` of a ``kv_list`` reply;
   the ``kv_list`` call itself costs TransferQueue ~3-4 µs per key, see ../shared/DESIGN.md).
+- the plugin-fed window, per replay-buffer sync at 10k and 100k keys, next to verl's own processing of the
+  same reply in ``_sync_metadata_from_transfer_queue`` (verl's real method; its ``tq.kv_list`` here returns
+  the prepared reply, so the controller round trip, the same with or without the plugin, is left out):
+  ``WindowReporter.synced`` on the trainer's thread (counts by status and step, copies of the key sets), and
+  the events with the orphan count that the reporter's thread builds at most once a second.
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ from tqmon.events import InflightReissued, StepCompleted
 from tqmon.integrations.poster import EventPoster
 from tqmon.integrations.resume import StartReporter
 from tqmon.integrations.verl import classify
+from tqmon.integrations.window import WindowReporter, read_buffer
 from tqmon.warmup import TrainerConfig
 
 STEP_PATH = ("fit", "step", "prepare_step", "wrapper", "_submit_batch_to_rollout")
@@ -96,6 +102,59 @@ def main() -> None:
     for name, ns in rows:
         print(f"{name:<50} {ns:>12,.0f} {ns / 1000:>10.2f}")
     print(f"(poster: {poster.stats.enqueued:,} enqueued, {poster.stats.dropped:,} dropped as tqmon was away)")
+    print()
+    print(window_table())
+
+
+def window_table() -> str:
+    """Per sync, in ms: verl's own processing of a reply, and what the plugin adds, at 10k and 100k keys."""
+    labels = (
+        "verl _sync_metadata_from_transfer_queue, kv_list excluded",
+        "plugin: WindowReporter.synced (trainer thread)",
+        "plugin: events + orphans (reporter thread, <= 1/s)",
+    )
+    small, large = window_costs(10_000), window_costs(100_000)
+    lines = [f"{'per replay-buffer sync':<58} {'10k keys ms':>12} {'100k keys ms':>13} {'of verl':>8}"]
+    for index, label in enumerate(labels):
+        share = f"{large[index] / large[0]:.1%}" if index else ""
+        lines.append(f"{label:<58} {small[index]:>12.2f} {large[index]:>13.2f} {share:>8}")
+    return "\n".join(lines)
+
+
+def window_costs(size: int) -> tuple[float, float, float]:
+    """Milliseconds per call: verl's sync of a ``size``-key reply, the plugin's hook, the reporter's events."""
+    from bench_tq_poll import key_and_tag
+    from verl.trainer.ppo.v1 import replay_buffer as verl_replay_buffer
+
+    reply = {"train": dict(key_and_tag(i) for i in range(size)), "val": {}}
+    buffer = verl_replay_buffer.ReplayBufferAsync(
+        trainer_mode="colocate_async",
+        trainer_config={},
+        max_off_policy_threshold=8,
+        max_off_policy_strategy="drop",
+        sampler_kwargs={},
+    )
+    listing = verl_replay_buffer.tq
+    verl_replay_buffer.tq = _Listing(reply)  # verl's own method, fed the prepared reply
+    try:
+        verl = per_call_ns(buffer._sync_metadata_from_transfer_queue, 3)
+    finally:
+        verl_replay_buffer.tq = listing
+    reporter = WindowReporter(_NullSink(), "bench/window", interval=3600.0)  # posts once, then waits
+    synced = per_call_ns(lambda: reporter.synced(buffer), 10)
+    views = [read_buffer(buffer, partition, 0.0) for partition in ("train", "val")]
+    events = per_call_ns(lambda: [view.event("bench/w") for view in views], 5)
+    return verl / 1e6, synced / 1e6, events / 1e6
+
+
+class _Listing:
+    """Stands in for ``transfer_queue`` inside verl's replay-buffer module: ``kv_list`` returns one reply."""
+
+    def __init__(self, reply: dict[str, dict[str, Any]]) -> None:
+        self._reply = reply
+
+    def kv_list(self, *_: Any) -> dict[str, dict[str, Any]]:
+        return self._reply
 
 
 class _NullSink:

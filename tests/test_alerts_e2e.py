@@ -6,14 +6,17 @@ durations shortened (``CONFIG``) so that a ``for:`` elapses within the test.
 - miscounted-restore (numbers in tests/test_sim.py): after the resume the live window holds 8 prompt groups
   (12 between a step's submission and its sample) of T = 20 while the trainer steps, so the headline alert
   fires within its ``for:`` plus the detection slack, with the live numbers in its annotations. While it
-  fires every dashboard query returns data (none needs an exemption: the ALERTS queries have data because
-  the alert fires, and every other series exists once tqmon watches the log, the checkpoints and the live
-  TQ). The test then tops the window up by the 12 missing prompt keys (what a correct warmup would have
-  submitted) and the alert resolves while the trainer still steps.
+  fires every dashboard query returns data (the ALERTS queries have data because the alert fires, and every
+  other series exists once tqmon watches the log, the checkpoints and the live TQ), except the rollouts
+  wasted, unknown here because the checkpoint contradicts the log's R. The test then tops the window up by
+  the 12 missing prompt keys (what a correct warmup would have submitted) and the alert resolves while the
+  trainer still steps.
 - healthy-resume: the window holds 8 or 12 of T = 8 and nothing fires over longer than the shortened
-  ``for:``. The headline alert must not even become pending (its expression never holds on a correct
-  resume); other alerts may be pending but never fire: TQMonWindowOverTarget's expression holds whenever a
-  poll lands between a step's submission and its sample, which its 30 m ``for:`` is there to absorb.
+  ``for:``. The headline alert never becomes pending once the restored window is seen (its expression never
+  holds on a correct resume; only the new controller's polls before the trainer restored into it can make it
+  pending, briefly, which its ``for:`` absorbs); other alerts may be pending but never fire:
+  TQMonWindowOverTarget's expression holds whenever a poll lands between a step's submission and its sample,
+  which its 30 m ``for:`` is there to absorb.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ import uuid
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 from urllib.parse import quote
@@ -52,6 +56,7 @@ HEADLINE = "TQMonWindowUnderFilledAfterResume"
 # From the resume to firing, beyond the for: the trainer step must change once (its next checkpoint, two
 # steps on) before "progressing" holds, then a TQ poll (<= 1 s), a scrape (1 s) and an evaluation (1 s).
 FIRING_SLACK = 10.0
+RESTART_LEAD = 10.0  # how long a new controller may be polled before the resume's first log line
 RESOLVE_WITHIN = 6.0  # a TQ poll, a scrape, an evaluation, and the test's own polling
 OBSERVE = UNDER_FILLED_FOR + 10  # how long the healthy run is watched, in seconds
 STEP_SECONDS = 0.5
@@ -147,6 +152,12 @@ def resumed_at(prom: RulesPrometheus, windows: tuple[int, int]) -> float:
     return started
 
 
+def rfc3339(stamp: str) -> float:
+    """Prometheus's RFC 3339 time (nanoseconds, ``Z``) as unix seconds."""
+    whole, _, fraction = stamp.rstrip("Z").partition(".")
+    return datetime.fromisoformat(whole).replace(tzinfo=UTC).timestamp() + float(f"0.{fraction or 0}")
+
+
 def headline(prom: RulesPrometheus) -> dict[str, Any] | None:
     return next((a for a in prom.alerts() if a["labels"]["alertname"] == HEADLINE), None)
 
@@ -215,8 +226,15 @@ def test_under_filled_window_fires_every_panel_has_data_and_recovery_resolves(
             f"{HEADLINE} firing",
             timeout=UNDER_FILLED_FOR + FIRING_SLACK + 30,
         )
-        elapsed = time.time() - resume
-        assert UNDER_FILLED_FOR <= elapsed <= UNDER_FILLED_FOR + FIRING_SLACK, elapsed
+        fired = time.time()
+        # The condition holds from the new controller's first poll, which can come a few seconds before the
+        # resume's log line (the trainer builds its controller, then loads the checkpoint): it starts at the
+        # restart, never earlier, and the alert fires no sooner than `for` after it and within the slack.
+        active_at = rfc3339(firing["activeAt"])
+        assert resume - RESTART_LEAD <= active_at <= resume + FIRING_SLACK, (active_at, resume)
+        assert fired - active_at >= UNDER_FILLED_FOR, (fired, active_at)
+        elapsed = fired - resume
+        assert elapsed <= UNDER_FILLED_FOR + FIRING_SLACK, elapsed
         print(f"{HEADLINE} firing {elapsed:.1f}s after the resume")
 
         # The annotations carry the live numbers: the fill ratio at that evaluation, 8 or 12 of 20.
@@ -246,7 +264,11 @@ def test_under_filled_window_fires_every_panel_has_data_and_recovery_resolves(
         queries = dashboard_queries(s.instance)
         assert len(queries) >= 40  # every panel target, variable and annotation of both dashboards
         empty = [where for where, expr in queries.items() if not prom.query(expr)]
-        assert empty == [], {where: queries[where] for where in empty}
+        # Unknown here by design, so absent rather than 0: the checkpoint's composition contradicts the log's R,
+        # so the doomed groups, and with them the rollouts wasted, are not known.
+        unknown = [where for where in queries if "panel 'Rollouts wasted'" in where]
+        assert len(unknown) == 1  # the exemption names a real query
+        assert empty == unknown, {where: queries[where] for where in empty}
 
         # Recovery: the 12 prompt groups a correct warmup would have added (T 20 - the 8 held after a sample),
         # pending at the trainer's current step. The window then holds 20 or 24.
@@ -275,6 +297,7 @@ def test_healthy_resume_fires_nothing(
     with stack("healthy-resume", tmp_path, cluster, tqmon_factory) as s:
         prom = s.prom
         resumed_at(prom, (8, 12))  # of T 8
+        restored_seen = time.time()
         step = prom.value(f"tqmon_trainer_global_step{{{JOB}}}")
         deadline = time.monotonic() + OBSERVE
         samples = 0
@@ -293,4 +316,9 @@ def test_healthy_resume_fires_nothing(
         assert s.sim.poll() is None
         # And over the whole run, fresh start and preemption included, as Prometheus recorded it in ALERTS.
         assert prom.query('count_over_time(ALERTS{alertname=~"TQMon.*",alertstate="firing"}[10m])') == []
-        assert prom.query(f'count_over_time(ALERTS{{alertname="{HEADLINE}"}}[10m])') == []
+        # The one exception: the new controller's first polls, before the trainer restored its checkpoint into
+        # it, see an empty window; the headline may be pending then (its `for:` absorbs that), never after.
+        alerts = f'ALERTS{{alertname="{HEADLINE}"}}'
+        last_pending = prom.value(f"max_over_time(timestamp({alerts})[10m:1s])")
+        assert last_pending is None or last_pending < restored_seen, (last_pending, restored_seen)
+        assert (prom.value(f"count_over_time({alerts}[10m])") or 0) < UNDER_FILLED_FOR

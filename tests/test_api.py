@@ -117,6 +117,9 @@ RESUME_RECORD: dict[str, Any] = {
     "semantics": "verl-0.9.1",
     "first_step_evictions": {"failure": 1, "stale": 0, "filtered": 0},
     "first_step_generation_wait_seconds": 2.5,
+    # The restore gave statuses, not the groups' steps: stale is unknown, so the deficit is a lower bound.
+    "under_submitted_lower_bound": True,
+    "assumed_defaults": [],
     # No trainer activity before this start and stale unknown: only the time to the first step is known,
     # from the warmup decision at T0 + 3 and the step's own 50 s.
     "cost": {
@@ -126,7 +129,7 @@ RESUME_RECORD: dict[str, Any] = {
         "wasted_rollouts": None,
         "lost_prompt_groups": None,
     },
-    "verdict": "UNDER-SUBMITTED by 1",
+    "verdict": "UNDER-SUBMITTED by at least 1 (doomed stale not known)",
 }
 RESUME_EVIDENCE = [
     ("events", "training_started", START["id"], T0),
@@ -515,8 +518,9 @@ def test_a_late_run_started_configures_the_open_start_only(tqmon_factory: Factor
         "",
         None,
         None,
-        {"failure": 1},
+        {"failure": 1, "filtered": 0},  # filtered by verl's default filter_groups=false, and named
     )
+    assert record["assumed_defaults"] == ["filter_groups=false"]
 
     assert post_ok(proc, RUN)["applied"] == 1
     record = status(proc)["records"][-1]

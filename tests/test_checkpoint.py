@@ -239,18 +239,25 @@ def test_inspect_without_config_prints_what_the_checkpoint_alone_tells(saved: di
     assert result.exit_code == 0, result.output
     text = words(result.stdout)
     assert text.startswith(
-        "resuming from step 40 will restore 20 prompt groups: 3 pending, 2 running, 11 finished, 4 failed;"
+        "resuming from step 40 will restore 20 prompt groups: 3 pending, 2 running, 11 finished (2 stale), 4 failed;"
     )
     assert "by age at 41 1: 9 · 2: 3 · 3: 2 · 4: 2 · 6: 2 · 11: 2" in text
     assert "re-issued K 5 (pending + running" in text and "clears 1 old trajectories" in text
-    assert "doomed failure 4 · stale ? · filtered ?" in text
+    # Without the config, verl's eviction defaults decide stale and filtered, and the output names them.
+    assert "doomed failure 4 · stale 2 · filtered 0" in text
+    assert "doomed assumes verl's defaults max_off_policy_threshold=8, max_off_policy_strategy=drop, " in text
     assert "trajectories 26 (3 orphaned" in text
     assert "need the trainer config" in text and "target T" not in text
 
     data = inspect_json(str(saved["root"]))
     assert (data["restored"], data["reissued"], data["orphan_trajectories"]) == (20, 5, 3)
     assert data["by_status"] == STEP40 and data["by_age"] == AGES40
-    assert data["doomed"] == {"failure": 4}
+    assert data["doomed"] == {"failure": 4, "stale": 2, "filtered": 0}
+    assert data["assumed_defaults"] == [
+        "max_off_policy_threshold=8",
+        "max_off_policy_strategy=drop",
+        "filter_groups=false",
+    ]
     assert data["target"] is None and data["under_submitted"] is None and data["config"] is None
 
 
@@ -296,7 +303,11 @@ def test_inspect_filter_groups_gives_a_lower_bound(saved: dict[str, Any]) -> Non
     data = inspect_json(*args)
     assert data["doomed"] == {"failure": 4, "stale": 4}  # DAPO's verdicts are not in a checkpoint
     assert (data["under_submitted"], data["under_submitted_is_lower_bound"]) == (8, True)
-    assert "under-submitted by at least 8" in run_inspect(*args).stdout
+    text = run_inspect(*args).stdout
+    assert "under-submitted by at least 8" in text.splitlines()[0]
+    # The table says the same as the headline: a lower bound, not an exact-looking 8.
+    rows = [line for line in text.splitlines() if line.startswith("under-submitted ")]
+    assert [words(row) for row in rows] == ["under-submitted at least 8 (doomed filtered not known)"]
 
 
 def test_inspect_accepts_a_step_dir_and_reports_progress_for_large_checkpoints(
@@ -376,20 +387,25 @@ def test_source_event_survives_restart_and_config_arriving_later(root: Path, tmp
     store = tmp_path / "state"
     tracker = Tracker(StateStore(store))
     CheckpointSource(root, tracker).poll()
-    assert doomed(tracker) == {"failure": 4}  # no config yet: only failure is known
+    # No config yet: verl's default threshold 8 decides stale, and the view says it assumed it.
+    assert doomed(tracker) == {"failure": 4, "stale": 2, "filtered": 0}
+    view = tracker.snapshot.checkpoint
+    assert view is not None and "max_off_policy_threshold=8" in view.assumed_defaults
     run = {
         "type": "run_started",
         "id": "run",
         "run_id": "r",
         "trainer_mode": "colocate_async",
-        "config": {"train_batch_size": 8, "num_warmup_batches": 3},
+        "config": {"train_batch_size": 8, "num_warmup_batches": 3, "max_off_policy_threshold": 4},
     }
     tracker.ingest([parse_event(run)], "events")
-    assert doomed(tracker) == {"failure": 4, "stale": 2, "filtered": 0}  # verl's default threshold 8
+    assert doomed(tracker) == {"failure": 4, "stale": 4, "filtered": 0}  # the run's own threshold 4
+    view = tracker.snapshot.checkpoint
+    assert view is not None and view.assumed_defaults == ()
 
     restarted = Tracker(StateStore(store))
     restarted.replay()
-    assert doomed(restarted) == {"failure": 4, "stale": 2, "filtered": 0}
+    assert doomed(restarted) == {"failure": 4, "stale": 4, "filtered": 0}
     view = restarted.snapshot.checkpoint
     assert view is not None and view.step == 40 and view.orphan_trajectories == 3
     CheckpointSource(root, restarted).poll()  # the same checkpoint again: a duplicate, not a second event
@@ -403,7 +419,9 @@ def test_tracker_checkpoint_saved_rules() -> None:
         [parse_event({"type": "checkpoint_saved", "id": "e1", "step": 30, "by_status": by_status})], "events"
     )
     view = tracker.snapshot.checkpoint
-    assert view is not None and dict(view.doomed or {}) == {"failure": 2}  # only failure is knowable
+    # Statuses alone decide failure; verl's default filter_groups=false decides filtered; stale needs steps.
+    assert view is not None and dict(view.doomed or {}) == {"failure": 2, "filtered": 0}
+    assert view.assumed_defaults == ("filter_groups=false",)
     assert tracker.snapshot.trainer_step == 30  # the trainer said it saved step 30
 
     tracker.ingest([CheckpointSaved(id="log:1", step=30)], "log")  # the bare log line of the same save
@@ -565,6 +583,140 @@ def test_serve_keeps_serving_with_a_hostile_checkpoint(root: Path, tmp_path: Pat
     assert value(text, "tqmon_checkpoint_orphan_trajectories") == 3
 
 
+def test_checkpoint_series_follow_the_directory_back_and_away(root: Path) -> None:
+    """A rollback (latest file set back, newer step deleted), a deleted step and a vanished dir are followed."""
+    tracker = Tracker(StateStore(None))
+    source = CheckpointSource(root, tracker)
+    (root / "latest_checkpointed_iteration.txt").write_text("45\n")
+    source.poll()
+    assert value(metrics(tracker), "tqmon_checkpoint_step") == 45
+    # The trainer's own "saved" line for a step the dir does not hold moves the trainer, not the dir's series.
+    saved = parse_event({"type": "checkpoint_saved", "id": "log50", "step": 50})
+    tracker.ingest([saved], "log")
+    assert value(metrics(tracker), "tqmon_checkpoint_step") == 45
+
+    (root / "latest_checkpointed_iteration.txt").write_text("40\n")
+    shutil.rmtree(root / "global_step_45")
+    source.poll()
+    text = metrics(tracker)
+    assert value(text, "tqmon_checkpoint_step") == 40
+    assert value(text, "tqmon_checkpoint_prompt_groups", status="finished") == STEP40["finished"]
+    assert value(text, "tqmon_checkpoint_orphan_trajectories") == 3
+    assert value(text, "tqmon_source_up", source="checkpoint") == 1
+
+    (root / "latest_checkpointed_iteration.txt").write_text("45\n")  # points at the deleted step
+    source.poll()
+    text = metrics(tracker)
+    assert value(text, "tqmon_checkpoint_step") is None
+    assert value(text, "tqmon_checkpoint_prompt_groups", status="finished") is None
+    health = next(s for s in tracker.snapshot.sources if s.source == "checkpoint")
+    assert not health.ok and "says 45, but" in (health.last_error or "")
+
+    shutil.rmtree(root)
+    source.poll()
+    assert tracker.snapshot.checkpoint is None
+    health = next(s for s in tracker.snapshot.sources if s.source == "checkpoint")
+    # Not "no checkpoint saved yet": this source read global_step_40 here, so they were deleted.
+    assert (
+        not health.ok
+        and health.last_error == f"checkpoints gone: {root} does not exist any more (global_step_40 was read)"
+    )
+
+    fresh = Tracker(StateStore(None))
+    CheckpointSource(root, fresh).poll()  # never held one: a fresh run, up with no series
+    health = next(s for s in fresh.snapshot.sources if s.source == "checkpoint")
+    assert health.ok and fresh.snapshot.checkpoint is None
+
+
+RESUME_LOG = """\
+INFO:2026-11-28 22:00:00,000:Resuming from {root}/global_step_40, setting global step to 40
+INFO:2026-11-28 22:00:01,000:Restored 20 training prompt groups from TransferQueue
+INFO:2026-11-28 22:00:02,000:Re-issued 5 in-flight prompts for step 41; cleared 1 old trajectories from partition train
+INFO:2026-11-28 22:00:03,000:Added 4 warmup prompts after restoring 20 of 24 target prompt groups
+"""
+
+TRAINER_CONFIG = """\
+data: {train_batch_size: 8}
+trainer:
+  project_name: dapo
+  experiment_name: run7
+  v1:
+    trainer_mode: colocate_async
+    colocate_async: {num_warmup_batches: 3}
+    sampler: {max_off_policy_threshold: 4, max_off_policy_strategy: drop}
+"""
+
+
+def test_analyze_with_the_checkpoint_dir_and_config_gets_the_exact_deficit(root: Path, tmp_path: Path) -> None:
+    """R 20 with 4 failed and (threshold 8) 2 stale groups, T 24, M 4: verl's deficit is 6; the log alone
+    cannot tell, and must not print it as an exact 0."""
+    log = tmp_path / "trainer.log"
+    log.write_text(RESUME_LOG.format(root=root))
+
+    def record(*flags: str) -> dict[str, Any]:
+        result = CliRunner().invoke(main, ["analyze", "--json", *flags, str(log)])
+        assert result.exit_code == 0, result.output
+        records: list[dict[str, Any]] = json.loads(result.stdout)["records"]
+        assert len(records) == 1
+        return records[0]
+
+    bare = record()
+    assert (bare["under_submitted"], bare["under_submitted_lower_bound"]) == (0, True)
+    text = CliRunner().invoke(main, ["analyze", str(log)]).stdout
+    assert "verdict" in text and "≥0" in text
+    assert "deficit at least 0 (doomed failure, stale not known): not known to be ok" in text
+    assert " ok" not in text.replace("not known to be ok", "")
+
+    exact = record("--checkpoint-dir", str(root))
+    assert exact["doomed"] == {"failure": 4, "stale": 2, "filtered": 0}
+    assert (exact["under_submitted"], exact["under_submitted_lower_bound"]) == (6, False)
+    assert exact["assumed_defaults"] == [
+        "max_off_policy_threshold=8",
+        "max_off_policy_strategy=drop",
+        "filter_groups=false",
+    ]
+    text = CliRunner().invoke(main, ["analyze", "--checkpoint-dir", str(root), str(log)]).stdout
+    assert "UNDER-SUBMITTED by 6 (assuming verl defaults max_off_policy_threshold=8" in text
+
+    config = tmp_path / "config.yaml"
+    config.write_text(TRAINER_CONFIG)
+    configured = record("--checkpoint-dir", str(root), "--trainer-config", str(config))
+    assert configured["doomed"] == {"failure": 4, "stale": 4, "filtered": 0}
+    assert (configured["under_submitted"], configured["under_submitted_lower_bound"]) == (8, False)
+    assert configured["assumed_defaults"] == [] and configured["run_id"] == "dapo/run7"
+
+
+def test_serve_without_config_counts_stale_groups_by_verl_defaults_and_marks_lower_bounds(root: Path) -> None:
+    """The serve path: the log's R, T and M; the checkpoint dir's composition; no trainer config."""
+    from tqmon.report import verdict
+    from tqmon.sources.logfile import parse_chunk
+
+    lines = RESUME_LOG.format(root=root).encode().splitlines()
+    events, _, errors = parse_chunk(enumerate(lines), "log")
+    assert not errors
+    alone = Tracker(StateStore(None))
+    alone.ingest(events, "log")
+    text = metrics(alone)
+    assert value(text, "tqmon_resume_under_submitted_prompt_groups") == 0
+    assert value(text, "tqmon_resume_under_submitted_lower_bound") == 1  # failure and stale unknown
+    record = alone.snapshot.last_record
+    assert record is not None and verdict(record).startswith("deficit at least 0 (doomed failure, stale not known)")
+
+    tracker = Tracker(StateStore(None))
+    CheckpointSource(root, tracker).poll()
+    tracker.ingest(events, "log")
+    text = metrics(tracker)
+    assert value(text, "tqmon_resume_doomed_prompt_groups", reason="stale") == 2  # verl's default threshold 8
+    assert value(text, "tqmon_resume_under_submitted_prompt_groups") == 6  # 24 - (20 - 6 + 4), not 2
+    assert value(text, "tqmon_resume_under_submitted_lower_bound") == 0
+    record = tracker.snapshot.last_record
+    assert record is not None
+    assert verdict(record) == (
+        "UNDER-SUBMITTED by 6 (assuming verl defaults max_off_policy_threshold=8, max_off_policy_strategy=drop, "
+        "filter_groups=false)"
+    )
+
+
 # ---------------------------------------------------------------- DAPO verdicts from the storage units
 # Every trajectory above has rm_scores = three bfloat16 ones, so each finished group's "reward" (the summed
 # rm_scores) is 3.0 on both trajectories: zero variance. At step 41 with threshold 4, the 4 groups with
@@ -631,15 +783,58 @@ def test_unreadable_storage_units_are_counted_and_the_composition_still_served(r
     assert "truncated pickle" in lines[0] and unit.name in lines[0]
 
 
+# DAPO over the fixture: T 24, threshold 4, filtered by the "reward" metric, 4 rollouts per group.
+DAPO_CONFIG = TrainerConfig(
+    train_batch_size=8,
+    num_warmup_batches=3,
+    max_off_policy_threshold=4,
+    filter_groups=True,
+    filter_groups_metric="reward",
+    rollout_n=4,
+)
+
+
 def test_source_exports_the_filtered_groups(root: Path) -> None:
-    config = TrainerConfig(
-        train_batch_size=8,
-        num_warmup_batches=3,
-        max_off_policy_threshold=4,
-        filter_groups=True,
-        filter_groups_metric="reward",
-    )
-    tracker = Tracker(StateStore(None), given=GivenConfig("colocate_async", config, "flags"))
+    tracker = Tracker(StateStore(None), given=GivenConfig("colocate_async", DAPO_CONFIG, "flags"))
     CheckpointSource(root, tracker, interval=1.0, filter_metric="reward").poll()
     assert doomed(tracker) == {"failure": 4, "stale": 4, "filtered": 7}
     assert value(metrics(tracker), "tqmon_checkpoint_doomed_prompt_groups", reason="filtered") == 7
+
+
+def test_dapo_verdicts_make_the_resume_deficit_exact(root: Path) -> None:
+    """Under DAPO, filtered groups decided from the storage units are known: the deficit is exact, not a bound."""
+    from tqmon.sources.logfile import parse_chunk
+
+    config = DAPO_CONFIG
+    events, _, errors = parse_chunk(enumerate(RESUME_LOG.format(root=root).encode().splitlines()), "log")
+    assert not errors
+    tracker = Tracker(StateStore(None), given=GivenConfig("colocate_async", config, "flags"))
+    CheckpointSource(root, tracker, interval=1.0, filter_metric="reward").poll()
+    tracker.ingest(events, "log")
+    record = tracker.snapshot.last_record
+    assert record is not None and record.doomed == {"failure": 4, "stale": 4, "filtered": 7}
+    text = metrics(tracker)
+    assert value(text, "tqmon_resume_under_submitted_prompt_groups") == 15  # 24 - (20 - 15 + 4)
+    assert value(text, "tqmon_resume_under_submitted_lower_bound") == 0
+    assert record.cost.wasted_rollouts == 15 * 4  # the cost reads the same complete doomed counts
+
+    blind = Tracker(StateStore(None), given=GivenConfig("colocate_async", config, "flags"))
+    CheckpointSource(root, blind, interval=1.0).poll()  # no metric read: filtered unknown, a lower bound
+    blind.ingest(events, "log")
+    assert value(metrics(blind), "tqmon_resume_under_submitted_prompt_groups") == 8  # 24 - (20 - 8 + 4)
+    assert value(metrics(blind), "tqmon_resume_under_submitted_lower_bound") == 1
+    assert blind.snapshot.last_record is not None and blind.snapshot.last_record.cost.wasted_rollouts is None
+
+
+def test_analyze_reads_dapo_verdicts_from_the_checkpoint_dir(root: Path, tmp_path: Path) -> None:
+    """analyze --checkpoint-dir gives the storage units DAPO's metric, as serve's checkpoint source does."""
+    log = tmp_path / "trainer.log"
+    log.write_text(RESUME_LOG.format(root=root))
+    dapo = ["--train-batch-size", "8", "--num-warmup-batches", "3", "--max-off-policy-threshold", "4"]
+    dapo += ["--filter-groups", "--filter-groups-metric", "reward", "--rollout-n", "4"]
+    result = CliRunner().invoke(main, ["analyze", "--json", "--checkpoint-dir", str(root), *dapo, str(log)])
+    assert result.exit_code == 0, result.output
+    (record,) = json.loads(result.stdout)["records"]
+    assert record["doomed"] == {"failure": 4, "stale": 4, "filtered": 7}
+    assert (record["under_submitted"], record["under_submitted_lower_bound"]) == (15, False)
+    assert record["cost"]["wasted_rollouts"] == 60

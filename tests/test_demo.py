@@ -134,3 +134,25 @@ def test_demo_runs_the_real_stack_and_ctrl_c_leaves_nothing_running(tmp_path: Pa
     assert "stopped: trainer, tqmon, prometheus and the Ray cluster" in output
     assert len(started) >= 5  # trainer, tqmon, prometheus, and Ray's own processes
     assert not [pid for pid in started if alive(pid)]
+
+
+def test_the_demo_screen_marks_a_lower_bound_deficit() -> None:
+    """The screen's resume line is built from /api/v1/status's record: a lower bound says so, an exact one not."""
+    from dataclasses import replace
+
+    from tqmon.demo import resume_line
+    from tqmon.report import verdict
+    from tqmon.snapshot import ResumeRecord
+
+    exact = ResumeRecord(
+        index=1, resumed=True, started_at=0.0, checkpoint_step=40, restored=20, reissued=5, target=24,
+        expected=4, submitted=4, over_restored=0, doomed={"failure": 4, "stale": 2, "filtered": 0},
+        under_submitted=6,
+    )  # fmt: skip
+    bound = replace(exact, doomed={"failure": 4}, under_submitted=4, under_submitted_lower_bound=True)
+    for record, shown in ((exact, "deficit 6 ·"), (bound, "deficit 4 (lower bound) ·")):
+        line = resume_line({**record.to_json(), "verdict": verdict(record)})
+        assert shown in line
+    assert "verdict: UNDER-SUBMITTED by at least 4 (doomed stale, filtered not known)" in resume_line(
+        {**bound.to_json(), "verdict": verdict(bound)}
+    )

@@ -112,9 +112,10 @@ WATCHED = (
 
 
 class Prometheus:
-    """Debian's ``prometheus`` scraping one tqmon target every second, on loopback only."""
+    """Debian's ``prometheus`` scraping one tqmon target every second, on loopback only (or running ``job``,
+    the YAML of one scrape job)."""
 
-    def __init__(self, workdir: Path, target_port: int) -> None:
+    def __init__(self, workdir: Path, target_port: int | None, job: str | None = None) -> None:
         self.workdir = workdir
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
@@ -127,9 +128,7 @@ class Prometheus:
             "  scrape_timeout: 1s\n"
             "  evaluation_interval: 1s\n"
             "scrape_configs:\n"
-            "  - job_name: tqmon\n"
-            "    static_configs:\n"
-            f"      - targets: ['127.0.0.1:{target_port}']\n"
+            + (job or f"  - job_name: tqmon\n    static_configs:\n      - targets: ['127.0.0.1:{target_port}']\n")
         )
         command = [
             "prometheus",

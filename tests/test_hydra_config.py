@@ -26,6 +26,8 @@ skip:
   rollout_tq:
     enable: false
 trainer:
+  project_name: gsm8k_dapo
+  experiment_name: ${oc.env:TQMON_TEST_EXPERIMENT,qwen_run7}
   default_local_dir: checkpoints/demo
   v1:
     trainer_mode: separate_async
@@ -109,3 +111,7 @@ def test_serve_uses_the_file_and_says_so(tmp_path: Path, tqmon_factory) -> None:
     assert run["config_source"] == f"file:{path}"
     assert run["trainer_mode"] == "separate_async"
     assert run["config"]["num_warmup_batches"] == 2.5
+    # The run's identity: verl's project and experiment names, so the fleet dashboard's run variable is set.
+    assert run["run_id"] == "gsm8k_dapo/qwen_run7"
+    info = 'tqmon_run_info{run_id="gsm8k_dapo/qwen_run7",trainer_mode="separate_async",verl_version=""}'
+    assert sample_value(proc.metrics(), info) == 1

@@ -10,6 +10,7 @@ import builtins
 import io
 import json
 import os
+import pickle
 import re
 import subprocess
 import sys
@@ -25,9 +26,10 @@ from click.testing import CliRunner
 
 import tqmon
 from tqmon.cli import main
+from tqmon.postmortem import LogZone, analyze
 from tqmon.snapshot import ResumeRecord, SourceHealth, Tally
 from tqmon.sources import logfile
-from tqmon.sources.logfile import LogSource, ingest_file, parse_chunk, read_lines
+from tqmon.sources.logfile import LogSource, parse_chunk, read_lines
 from tqmon.store import StateStore
 from tqmon.tracker import Tracker
 from tqmon.warmup import WarmupState
@@ -632,17 +634,17 @@ def test_an_unreadable_file_does_not_stop_the_others(
 # ------------------------------------------------------------------------------ ingest_file, analyze
 
 
-def test_ingest_file_reads_a_final_line_without_newline(tmp_path: Path) -> None:
+def test_analyze_reads_a_final_line_without_newline(tmp_path: Path) -> None:
     log = tmp_path / "done.log"
     log.write_text(
         "Training from scratch\n"
         "Restored many training prompt groups from TransferQueue\n"
         "Added 8 warmup prompts after restoring 0 of 8 target prompt groups"  # no trailing newline
     )
-    tracker = new_tracker()
-    assert ingest_file(str(log), tracker) == 1
-    assert_record(last(tracker), resumed=False, submitted=8, target=8, warmup_state=WarmupState.FRESH_START)
-    assert lines_count(tracker) == {"event": 2, "ignored": 0, "malformed": 1}
+    result = analyze([str(log)], zone=LogZone.of("UTC"))
+    assert (result.malformed, result.events) == (1, 2)
+    [record] = result.records
+    assert_record(record, resumed=False, submitted=8, target=8, warmup_state=WarmupState.FRESH_START)
 
 
 def demo_started(stamp: str) -> float:
@@ -661,7 +663,8 @@ def test_analyze_prints_one_row_per_start_of_the_demo_log() -> None:
     result = CliRunner().invoke(main, ["analyze", str(DEMO_LOG)])
     assert result.exit_code == 0, result.output
     assert result.stderr == ""
-    header, *rows = result.stdout.strip().splitlines()
+    zone, header, *rows = result.stdout.strip().splitlines()
+    assert zone.startswith("log timestamps read in ") and zone.endswith("(the machine's zone)")
     columns = re.split(r"\s{2,}", header)
     assert len(rows) == 3
     for row, (index, resumed, step, r, k, _cleared, t, m_exp, m_sub, o, state, started) in zip(
@@ -679,12 +682,20 @@ def test_analyze_prints_one_row_per_start_of_the_demo_log() -> None:
             "M exp": str(m_exp),
             "M sub": str(m_sub),
             "O": str(o),
-            "deficit": "0",
-            "doomed": "0" if not resumed else "-",  # a bare log gives no doom reasons for R > 0
+            # A bare log gives neither failure nor stale for R > 0: the deficit is only a lower bound.
+            "deficit": "≥0" if resumed else "0",
+            "doomed": "≥0" if resumed else "0",
             "state": state,
         }
         assert {key: cells[key] for key in expected} == expected
-        assert cells["verdict"] == ("ok" if o == 0 else "over-restored by 32 (kept all run)")
+        unknown = "deficit at least 0 (doomed failure, stale not known): not known to be ok"
+        verdicts = {
+            "fresh_start": "ok",
+            "skipped_full": f"{unknown} (assuming verl defaults filter_groups=false)",
+            "skipped_over_restored": f"over-restored by 32 (kept all run); {unknown} "
+            "(assuming verl defaults filter_groups=false)",
+        }
+        assert cells["verdict"] == verdicts[state]
 
 
 def analyze_json(*paths: Path) -> dict[str, Any]:
@@ -732,17 +743,24 @@ def test_analyze_json_gives_the_records_of_the_demo_log() -> None:
             "under_submitted": 0,
             "warmup_state": state,
         }
+        assert record["under_submitted_lower_bound"] is resumed
         assert record["started_at"] == pytest.approx(demo_started(started))
         assert {e["source"] for e in record["evidence"]} == {"log"}
 
 
-def test_analyze_split_or_repeated_logs_give_the_same_records(tmp_path: Path) -> None:
-    whole = analyze_json(DEMO_LOG)
+def split_demo_log(tmp_path: Path) -> tuple[Path, Path]:
+    """The demo log rotated at the preemption: the older half and the newer half."""
     lines = DEMO_LOG.read_text().splitlines(keepends=True)
     cut = next(i for i, line in enumerate(lines) if "node preempted" in line)
     head, tail = tmp_path / "trainer.log.1", tmp_path / "trainer.log"
     head.write_text("".join(lines[:cut]))
     tail.write_text("".join(lines[cut:]))
+    return head, tail
+
+
+def test_analyze_split_or_repeated_logs_give_the_same_records(tmp_path: Path) -> None:
+    whole = analyze_json(DEMO_LOG)
+    head, tail = split_demo_log(tmp_path)
 
     assert analyze_json(head, tail) == whole
     assert analyze_json(DEMO_LOG, DEMO_LOG) == whole  # content ids: the second copy adds nothing
@@ -757,11 +775,66 @@ def test_analyze_reports_malformed_lines_and_empty_logs(tmp_path: Path) -> None:
     assert "scratch" in result.stdout
     assert analyze_json(log)["malformed_lines"] == 1
 
+    started_not = tmp_path / "early.log"
+    started_not.write_text("INFO:2026-11-28 21:02:11,416:data.gen_batch_size defaulted to 1.\n")
+    result = CliRunner().invoke(main, ["analyze", str(started_not)])
+    assert result.exit_code == 0
+    assert result.stdout.strip().splitlines()[-1] == f"no trainer start found in {started_not}"
+
     empty = tmp_path / "empty.log"
     empty.write_text("nothing to see\n")
     result = CliRunner().invoke(main, ["analyze", str(empty)])
-    assert result.exit_code == 0
-    assert result.stdout.strip() == f"no trainer start found in {empty}"
+    assert result.exit_code == 1
+    assert f"{empty} has no verl log line" in result.stderr
+
+
+@pytest.mark.parametrize(
+    ("name", "content", "what"),
+    [
+        ("status.json", json.dumps({"records": [{"restored": 3}]}).encode(), "is a JSON file, not a verl trainer log"),
+        ("metrics.jsonl", b'{"step": 1, "training/global_step": 1}\n', "is a JSON file, not a verl trainer log"),
+        ("state.pkl", pickle.dumps({"prompts": list(range(10))}), "is a binary file (a pickle?)"),
+    ],
+)
+def test_analyze_refuses_a_file_that_is_not_a_trainer_log(tmp_path: Path, name: str, content: bytes, what: str) -> None:
+    path = tmp_path / name
+    path.write_bytes(content)
+    result = CliRunner().invoke(main, ["analyze", str(path)])
+    assert result.exit_code == 1
+    assert result.stderr.strip() == f"Error: {path} {what}" + (
+        " (verl's JSONL metrics go to --jsonl)" if "JSON" in what else ", not a verl trainer log"
+    )
+    assert result.stdout == ""
+
+
+def test_analyze_sorts_logs_given_out_of_time_order_and_says_so(tmp_path: Path) -> None:
+    whole = analyze_json(DEMO_LOG)
+    head, tail = split_demo_log(tmp_path)
+
+    swapped = analyze_json(tail, head)  # newest first, as `ls -t` would list them
+    assert swapped["records"] == whole["records"]
+    assert swapped["notes"] == [f"records out of time order in {tail}, {head}: sorted by their timestamps"]
+    text = CliRunner().invoke(main, ["analyze", str(tail), str(head)]).stdout
+    assert f"note: records out of time order in {tail}, {head}: sorted by their timestamps" in text
+
+
+def test_analyze_reads_timestamps_in_the_zone_given_and_says_which(tmp_path: Path) -> None:
+    def started(*flags: str) -> float:
+        result = CliRunner().invoke(main, ["analyze", "--json", *flags, str(DEMO_LOG)])
+        assert result.exit_code == 0, result.output
+        report = json.loads(result.stdout)
+        assert report["log_timezone"] == (flags[1] if flags else report["log_timezone"])
+        return float(report["records"][0]["started_at"])
+
+    utc = started("--log-timezone", "UTC")
+    assert utc == datetime(2026, 11, 28, 21, 2, 16, 739000, tzinfo=UTC).timestamp()
+    assert started("--log-timezone", "Asia/Kolkata") == utc - 5.5 * 3600  # the same wall clock, 5h30 earlier
+    assert started() == demo_started("2026-11-28 21:02:16,739")  # the machine's zone by default
+    text = CliRunner().invoke(main, ["analyze", "--log-timezone", "Asia/Kolkata", str(DEMO_LOG)]).stdout
+    assert text.splitlines()[0] == "log timestamps read in Asia/Kolkata (--log-timezone zone)"
+    assert "2026-11-28 15:32:16" in text  # 21:02:16 IST in the table's UTC
+    bad = CliRunner().invoke(main, ["analyze", "--log-timezone", "Mars/Olympus", str(DEMO_LOG)])
+    assert bad.exit_code == 2 and "unknown time zone 'Mars/Olympus'" in bad.stderr
 
 
 def test_analyze_runs_as_a_module() -> None:

@@ -346,7 +346,11 @@ def test_a_real_resume_pushes_what_metrics_serves(
     }
     assert (decided["tqmon.resume.submitted"], decided["tqmon.resume.under_submitted"]) == (1, 2)
     assert (decided["tqmon.resume.reissued"], decided["tqmon.resume.checkpoint_step"]) == (3, 40)
-    assert decided["tqmon.resume.verdict"] == "warmup submitted 1, expected 3; UNDER-SUBMITTED by 2"
+    # Restored 9 by "unknown" status: the failed groups are not known, so 2 is a lower bound and says so.
+    assert decided["tqmon.resume.verdict"] == (
+        "warmup submitted 1, expected 3; UNDER-SUBMITTED by at least 2 (doomed failure not known)"
+    )
+    assert decided["tqmon.resume.under_submitted_lower_bound"] is True
     assert decided["tqmon.resume.warmup_state"] == "topped_up" and decided["tqmon.resume.resumed"] is True
     assert "tqmon.resume.first_step.evicted.failure" not in decided
     assert (first["tqmon.resume.first_step.evicted.failure"], first["tqmon.resume.first_step.evicted.stale"]) == (2, 1)
@@ -452,11 +456,14 @@ def test_a_collector_down_then_back(
         what="the resume decided during the outage",
     )
     assert records[0].severity_number == SeverityNumber.SEVERITY_NUMBER_WARN
-    pushed = receiver.wait_for(
-        lambda: receiver.requests("/v1/metrics") and otlp_series(receiver.requests("/v1/metrics")[-1].request),
-        what="metrics after the outage",
-    )
-    assert pushed[("tqmon_otlp_export_failures_total", frozenset({("signal", "metrics")}))] >= 4
+    metric_failures = ("tqmon_otlp_export_failures_total", frozenset({("signal", "metrics")}))
+
+    def pushed_after_the_outage() -> Series | None:
+        """The newest push once it reports the outage's failures (pushes from before it report none)."""
+        series = otlp_series(receiver.requests("/v1/metrics")[-1].request)
+        return series if series.get(metric_failures, 0) >= 4 else None
+
+    pushed = receiver.wait_for(pushed_after_the_outage, what="metrics after the outage counting its failures")
     assert pushed[("tqmon_resume_under_submitted_prompt_groups", frozenset())] == 2.0
 
 

@@ -81,7 +81,14 @@ CASES = [
         resume(40, 5, restored_prompt_groups=5, submitted_prompt_groups=0, skip_reason="non_positive_warmup"),
         WarmupState.DISABLED,
         config=T12 | {"num_warmup_batches": 0},
-        expect={"target": 0, "submitted": 0},
+        expect={"target": None, "submitted": 0, "over_restored": None, "under_submitted": None},
+    ),
+    Case(
+        "num_warmup_batches 0, log only: verl defines no target, so nothing is over-restored",
+        resume(40, 5),
+        WarmupState.DISABLED,
+        config=T12 | {"num_warmup_batches": 0},
+        expect={"target": None, "submitted": 0, "over_restored": None, "under_submitted": None},
     ),
     Case(
         "sync mode restores no TransferQueue state",

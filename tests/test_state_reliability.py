@@ -121,8 +121,9 @@ def test_a_foreign_database_is_refused(tmp_path: Path) -> None:
 def test_a_store_from_before_versioning_is_migrated_and_replayed(tqmon_factory: Factory, tmp_path: Path) -> None:
     state = tmp_path / "state"
     state.mkdir()
-    with sqlite3.connect(state / DB_NAME) as db:  # exactly what tqmon 0.1 wrote
+    with sqlite3.connect(state / DB_NAME) as db:  # exactly what tqmon 0.1 wrote, before the run binding
         db.executescript(SCHEMA_V1)
+        db.execute("DROP TABLE run_binding")
         for n in (4, 5):
             body = f'{{"type":"step_completed","id":"old/{n}","global_step":{n}}}'
             db.execute(
@@ -142,6 +143,27 @@ def test_a_store_from_before_versioning_is_migrated_and_replayed(tqmon_factory: 
             ("old/5", "step_completed"),
             ("s/6", "step_completed"),
         ]
+
+
+def test_a_v1_store_keeps_its_run_binding_through_the_migration(tmp_path: Path) -> None:
+    state = tmp_path / "state"
+    state.mkdir()
+    bound = {"run_id": "dapo/run_a"}
+    with sqlite3.connect(state / DB_NAME) as db:  # a v1 store bound to its run (user_version 0)
+        db.executescript(SCHEMA_V1)
+        db.execute("INSERT INTO run_binding (id, identity) VALUES (1, ?)", (json.dumps(bound),))
+    config = tmp_path / "config.yaml"
+    config.write_text(
+        "data: {train_batch_size: 8}\ntrainer: {project_name: dapo, experiment_name: run_b, "
+        "v1: {trainer_mode: colocate_async, colocate_async: {num_warmup_batches: 3}}}\n"
+    )
+    result = serve_once(state, "--trainer-config", str(config))
+    assert result.returncode == 2  # the migrated store still names run_a: run_b is refused, not mixed in
+    [line] = [line for line in error_lines(result) if "--state-dir" in line]  # beside the migration's log line
+    assert "holds the history of another run (run_id dapo/run_a)" in line and "differs in run_id" in line
+    with sqlite3.connect(state / DB_NAME) as db:
+        assert db.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION
+        assert json.loads(db.execute("SELECT identity FROM run_binding").fetchone()[0]) == bound
 
 
 def test_a_store_from_a_newer_tqmon_is_refused(tmp_path: Path) -> None:

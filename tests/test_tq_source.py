@@ -325,3 +325,51 @@ def test_the_whole_cluster_going_away_costs_the_poller_not_tqmon(tmp_path: Path,
         with contextlib.suppress(ProcessLookupError):
             os.killpg(trainer.pid, signal.SIGKILL)
         trainer.wait(timeout=30)
+
+
+def test_a_fresh_plugin_window_turns_the_poll_into_a_cross_check_and_back(cluster: str, tqmon_factory) -> None:
+    import transfer_queue as tq
+
+    tq.close()
+    tq = tq_init()
+    fill_window(tq)
+    proc = tqmon_factory(["--ray-address", cluster, *FAST, "--stale-after", "3"]).start()
+    wait_for(proc, lambda t: value(t, "tqmon_tq_reply_keys") == 20)
+
+    def feed(n: int) -> None:
+        """The verl plugin's window, as it posts it after a replay-buffer sync."""
+        window = {
+            "id": f"p/window/train/{n}",
+            "type": "window_observed",
+            "time": time.time(),
+            "by_status": {"pending": 2, "running": 1, "finished": 4, "failure": 1},
+            "observer": "replay_buffer",
+        }
+        assert httpx.post(proc.url + "/api/v1/events", json=window, timeout=5).status_code == 200
+
+    def tq_state() -> tuple[dict[str, Any], float]:
+        status = httpx.get(proc.url + "/api/v1/status", timeout=5).json()
+        return status["tq"], next(s for s in status["sources"] if s["source"] == "tq")["last_success"]
+
+    feed(0)
+    deadline = time.monotonic() + 10
+    while not tq_state()[0]["cross_check"] and time.monotonic() < deadline:
+        time.sleep(0.1)
+    poll, held_since = tq_state()
+    assert poll["cross_check"] is True and poll["interval"] == 600
+    for n in range(1, 5):  # two seconds fed, ten polls at the 0.2 s pace: none happens before the cross-check
+        feed(n)
+        time.sleep(0.5)
+    assert tq_state()[1] == held_since
+    text = proc.metrics()
+    assert value(text, 'tqmon_source_up{source="tq"}') == 1  # backing off on purpose is not being down
+    assert value(text, 'tqmon_source_up{source="replay_buffer"}') == 1
+    assert value(text, "tqmon_tq_poll_interval_seconds") == 600
+
+    # The plugin goes quiet: its window goes stale after --stale-after and polling resumes at the usual pace.
+    text = wait_for(proc, lambda t: value(t, 'tqmon_source_up{source="replay_buffer"}') == 0, timeout=10)
+    deadline = time.monotonic() + 10
+    while tq_state()[1] == held_since and time.monotonic() < deadline:
+        time.sleep(0.1)
+    poll, resumed = tq_state()
+    assert resumed > held_since and poll["cross_check"] is False

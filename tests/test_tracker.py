@@ -41,8 +41,10 @@ def test_log_style_resume_without_config() -> None:
     assert (record.checkpoint_step, record.restored, record.reissued, record.target) == (40, 9, 3, 12)
     assert (record.expected, record.submitted, record.over_restored) == (3, 3, 0)
     assert record.restored_by_status == {"unknown": 9}
-    assert record.doomed is None  # unknown without a status split
+    assert record.doomed == {"filtered": 0}  # failure and stale unknown without a split; filtered by default
+    assert record.assumed_defaults == ("filter_groups=false",)
     assert record.under_submitted == 0  # lower bound: unknown doomed groups count as 0
+    assert record.under_submitted_lower_bound
     assert record.warmup_state is WarmupState.TOPPED_UP
     assert t.snapshot.resumes_total == 1
     assert [e.event_type for e in record.evidence] == [
@@ -85,7 +87,7 @@ def test_two_sources_reporting_one_resume_make_one_record() -> None:
     t.ingest([ev("checkpoint_restored", "p:1", step=40, restored_prompt_groups=9, by_status=by_status)], "events")
     [record] = t.snapshot.records
     assert record.restored_by_status == by_status
-    assert record.doomed == {"failure": 2}
+    assert record.doomed == {"failure": 2, "filtered": 0}  # stale needs the groups' steps
     assert {e.source for e in record.evidence} == {"log", "events"}
 
 

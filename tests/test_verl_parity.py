@@ -14,6 +14,7 @@ One Ray cluster and one TransferQueue for the module; each case saves and restor
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import re
@@ -26,10 +27,13 @@ from typing import Any, ClassVar
 
 import httpx
 import pytest
+from click.testing import CliRunner
 from verl.trainer.ppo.v1.agent_loop_tq import AgentLoopManagerTQ
 
 from tests.conftest import TqmonProcess, sample_value
+from tqmon.cli import main
 from tqmon.composition import compose
+from tqmon.events import StepCompleted
 from tqmon.integrations.verl import TqmonAgentLoopManager, plugin
 
 pytestmark = pytest.mark.parity
@@ -259,13 +263,10 @@ def train_uids(tq: Any) -> set[str]:
     return {key for key, tag in tq.kv_list("train").get("train", {}).items() if tag.get("is_prompt", False)}
 
 
-def save_previous_run(tq: Any, root: Path, case: Case) -> dict[str, Any]:
-    """Build the case's window through verl's own submission path and save it with verl's ``_save_checkpoint``."""
-    assert case.step is not None
-    config = verl_config(root, ())
-    trainer = make_trainer(config)
-    trainer.agent_loop_manager = PlainManager.create(config=config, llm_client=None)
-    for status, g, count in case.groups:
+def submit_window(tq: Any, trainer: Any, groups: tuple[tuple[str, int, int], ...], orphans: int, step: int) -> None:
+    """Submit ``groups`` (status, global_steps, count) through verl's own submission path and move them through
+    the statuses the agent-loop workers write; ``orphans`` trajectories without a prompt key, tagged ``step``."""
+    for status, g, count in groups:
         before = train_uids(tq)
         trainer.global_steps = g
         trainer._add_prompts_to_generate(count)
@@ -277,8 +278,17 @@ def save_previous_run(tq: Any, root: Path, case: Case) -> dict[str, Any]:
             tq.kv_batch_put(keys=uids, partition_id="train", tags=[{"status": status} for _ in uids])
         if status in ("running", "finished"):
             put_trajectories(tq, uids, g)
-    if case.orphans:  # trajectories of the batch trained at step N, whose prompt keys the sample cleared
-        put_trajectories(tq, [uuid.uuid4().hex for _ in range(case.orphans)], case.step)
+    if orphans:  # trajectories of the batch trained at step N, whose prompt keys the sample cleared
+        put_trajectories(tq, [uuid.uuid4().hex for _ in range(orphans)], step)
+
+
+def save_previous_run(tq: Any, root: Path, case: Case) -> dict[str, Any]:
+    """Build the case's window through verl's own submission path and save it with verl's ``_save_checkpoint``."""
+    assert case.step is not None
+    config = verl_config(root, ())
+    trainer = make_trainer(config)
+    trainer.agent_loop_manager = PlainManager.create(config=config, llm_client=None)
+    submit_window(tq, trainer, case.groups, case.orphans, case.step)
     trainer.global_steps = case.step
     trainer._save_checkpoint()
     saved = compose(tq.kv_list("train").get("train", {}))
@@ -434,6 +444,16 @@ def test_tqmon_matches_verl(
         assert gauge(metrics, "tqmon_resume_over_restored_prompt_groups") == max(0, verl.restored - verl.target)
     state = warmup_state(case, verl)
     assert gauge(metrics, "tqmon_resume_warmup_state", state=state) == 1, (state, record)
+    if not verl.logged:  # the warmup is off: verl defines no T, so nothing is over-restored or missing
+        assert (record["target"], record["over_restored"], record["under_submitted"]) == (None, None, None)
+        for name in ("target", "over_restored", "under_submitted"):
+            assert gauge(metrics, f"tqmon_resume_{'warmup_' if name == 'target' else ''}{name}_prompt_groups") is None
+
+    # `tqmon inspect` on the checkpoint verl resumed from, given verl's config file, predicted this very record.
+    if case.step is not None:
+        predicted = inspect_prediction(tmp_path, case)
+        assert {key: predicted[key] for key in PREDICTED} == {key: record[value] for key, value in PREDICTED.items()}
+        assert predicted["warmup_state"] == state
 
     # The doomed groups tqmon predicted are the groups verl's replay buffer evicted at the first sample.
     if case.sample:
@@ -450,6 +470,32 @@ def test_tqmon_matches_verl(
         assert gauge(metrics, "tqmon_checkpoint_orphan_trajectories") == saved["orphans"]
 
 
+# inspect's JSON key -> the serve record's field it must equal
+PREDICTED = {
+    "restored": "restored",
+    "target": "target",
+    "warmup_submitted": "submitted",
+    "over_restored": "over_restored",
+    "doomed": "doomed",
+    "under_submitted": "under_submitted",
+    "warmup_state": "warmup_state",
+}
+
+
+def inspect_prediction(root: Path, case: Case) -> dict[str, Any]:
+    """``tqmon inspect --json`` on the case's checkpoint dir with verl's composed config saved as a file."""
+    from omegaconf import OmegaConf
+
+    config_file = root / "config.yaml"
+    OmegaConf.save(verl_config(root, case.overrides), config_file)
+    result = CliRunner().invoke(
+        main, ["inspect", str(root / "ckpt"), "--trainer-config", str(config_file), "--json"], catch_exceptions=False
+    )
+    assert result.exit_code == 0, result.output
+    predicted: dict[str, Any] = json.loads(result.stdout)
+    return predicted
+
+
 def warmup_state(case: Case, verl: Resumed) -> str:
     """verl's warmup outcome in tqmon's vocabulary, from what verl logged and submitted."""
     if not verl.logged:
@@ -459,6 +505,87 @@ def warmup_state(case: Case, verl: Resumed) -> str:
         return "skipped_over_restored" if verl.restored > verl.target else "skipped_full"
     assert verl.warmup_submitted > 0
     return "topped_up" if case.step is not None else "fresh_start"
+
+
+# ---------------------------------------------------------------- the window from the replay buffer's own sync
+
+WINDOW = (("pending", 5, 2), ("running", 5, 1), ("finished", 5, 4), ("finished", 3, 2), ("failure", 4, 1))
+COMPARED = ("by_status", "age_buckets", "age_sum", "trajectories", "orphan_trajectories")
+
+
+def same_moment(tqmon: TqmonProcess, config: Any, timeout: float = 30.0) -> dict[str, dict[str, dict[str, Any]]]:
+    """Both windows of every partition once the plugin's newest post arrived and a kv_list poll followed it
+    by a second (TransferQueue does not change meanwhile): ``{partition: {source: window}}``."""
+    state = plugin(config)
+    assert state.window is not None and state.poster is not None
+    assert state.window.flush(10) and state.poster.flush(10), "the plugin did not deliver its window"
+    deadline = time.monotonic() + timeout
+    status: dict[str, Any] = {}
+    while time.monotonic() < deadline:
+        status = httpx.get(tqmon.url + "/api/v1/status", timeout=5).json()
+        seen: dict[str, dict[str, dict[str, Any]]] = {}
+        for window in status["window_observations"]:
+            seen.setdefault(window["partition"], {})[window["source"]] = window
+        if all(
+            {"replay_buffer", "tq"} <= set(seen.get(p, {}))
+            and seen[p]["tq"]["observed_at"] > seen[p]["replay_buffer"]["observed_at"] + 1.0
+            for p in ("train", "val")
+        ):
+            return seen
+        time.sleep(0.1)
+    raise AssertionError(f"no kv_list poll after the plugin's window: {status}")
+
+
+def test_the_plugin_window_equals_the_kv_list_poll_at_the_same_moment(
+    cluster: Any, tmp_path: Path, tqmon_factory: Callable[..., TqmonProcess], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import ray
+
+    tq = cluster
+    clear_window(tq)
+    # The TQ poll at a 1 s cross-check while the plugin feeds the window, so the test need not wait 10 minutes.
+    fast = [
+        "--tq-cross-check-interval",
+        "1",
+        "--tq-min-interval",
+        "0.2",
+        "--tq-max-interval",
+        "0.2",
+        "--tq-budget",
+        "1",
+    ]
+    tqmon = tqmon_factory(["--ray-address", ray.get_runtime_context().gcs_address, *fast]).start()
+    monkeypatch.setenv("TQMON_URL", tqmon.url)
+    config = verl_config(tmp_path, ())
+    trainer = make_trainer(config)
+    trainer.agent_loop_manager = RecordingManager.create(config=config, llm_client=None)
+    submit_window(tq, trainer, WINDOW, orphans=2, step=5)  # the first submission makes the plugin watch the buffer
+    trainer.global_steps = 6
+    poster = plugin(config).poster
+    assert poster is not None
+    poster.post(StepCompleted(id=f"{tmp_path.name}/step/6", global_step=6))  # the step tqmon ages against
+
+    # A sync as verl makes one (get_sampleable_count), then what the first sample leaves: the failure group
+    # evicted and refilled, B finished groups taken (their trajectories stay until the step clears them).
+    sampleable = trainer.replay_buffer.get_sampleable_count(trainer.global_steps, "train")
+    before = same_moment(tqmon, config)
+    batch, _ = trainer.replay_buffer.sample(global_steps=trainer.global_steps, partition_id="train", batch_size=B)
+    after = same_moment(tqmon, config)
+
+    for seen in (before, after):
+        for partition, windows in seen.items():
+            plugin_view = {key: windows["replay_buffer"][key] for key in COMPARED}
+            poll_view = {key: windows["tq"][key] for key in COMPARED}
+            assert plugin_view == poll_view, partition
+    train_before, train_after = before["train"]["replay_buffer"], after["train"]["replay_buffer"]
+    assert sampleable == 6 and train_before["by_status"] == {"pending": 2, "running": 1, "finished": 6, "failure": 1}
+    assert (train_before["trajectories"], train_before["orphan_trajectories"]) == (9, 2)
+    assert train_before["age_sum"] == 3 * 1 + 4 * 1 + 2 * 3 + 1 * 2  # trainer step 6 against steps 5, 3, 4
+    assert train_after["by_status"] == {"pending": 3, "running": 1, "finished": 2, "failure": 0}
+    assert train_after["orphan_trajectories"] == 2 + len(batch.keys)
+    status = httpx.get(tqmon.url + "/api/v1/status", timeout=5).json()
+    assert status["tq"]["cross_check"] is True
+    assert gauge(tqmon.metrics(), "tqmon_source_up", source="replay_buffer") == 1
 
 
 # ---------------------------------------------------------------- DAPO: filtered groups, predicted from the checkpoint

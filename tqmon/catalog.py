@@ -201,6 +201,12 @@ CATALOG: tuple[MetricSpec, ...] = (
         "prompt_groups",
     ),
     MetricSpec(
+        "tqmon_resume_under_submitted_lower_bound",
+        MetricType.GAUGE,
+        "1 when tqmon_resume_under_submitted_prompt_groups is only a lower bound (a doom reason is not known and "
+        "counts as 0; tqmon_resume_doomed_prompt_groups lacks its series), 0 when it is exact.",
+    ),
+    MetricSpec(
         "tqmon_resume_first_step_evicted_prompt_groups",
         MetricType.GAUGE,
         "Prompt groups the first sample after the last start really evicted, by reason (verl's step metrics); "
@@ -295,7 +301,12 @@ CATALOG: tuple[MetricSpec, ...] = (
         "Identity of the monitored run.",
         "",
         (
-            Label("run_id", None, "Run id from the run_started event, else empty."),
+            Label(
+                "run_id",
+                None,
+                "Run id from the run_started event, else `<trainer.project_name>/<trainer.experiment_name>` "
+                "from --trainer-config, else empty.",
+            ),
             Label("trainer_mode", TRAINER_MODES, "trainer.v1.trainer_mode."),
             Label("verl_version", None, "verl version reported or inferred, else empty."),
         ),

@@ -245,28 +245,67 @@ def serve(trainer: TrainerFlags, **flags: Any) -> None:
 
 @main.command()
 @click.argument("logs", nargs=-1, required=True, type=click.Path(exists=True, dir_okay=False))
+@option(
+    "--jsonl",
+    multiple=True,
+    type=click.Path(exists=True, dir_okay=False),
+    help="verl's JSONL metrics file (trainer.logger file): the first step's evictions.",
+    env="ANALYZE_JSONL",
+)
+@option(
+    "--checkpoint-dir",
+    type=click.Path(exists=True, file_okay=False, path_type=Path),
+    default=None,
+    help="verl's trainer.default_local_dir: each resume's composition, so its doomed groups are exact.",
+    env="ANALYZE_CHECKPOINT_DIR",
+)
+@option(
+    "--log-timezone",
+    default=None,
+    metavar="ZONE",
+    help="IANA zone the log's zone-less timestamps were written in [default: the machine's].",
+    env="ANALYZE_LOG_TIMEZONE",
+)
 @option("--json", "as_json", is_flag=True, help="Print the records as JSON instead of a table.", env="ANALYZE_JSON")
-def analyze(logs: tuple[str, ...], as_json: bool) -> None:
-    """Print the resume records and verdicts found in finished verl logs (read in the order given)."""
-    from tqmon.report import table
-    from tqmon.snapshot import SourceName
-    from tqmon.sources.logfile import ingest_file
-    from tqmon.store import StateStore
-    from tqmon.tracker import Tracker
+@trainer_config_options
+def analyze(
+    logs: tuple[str, ...],
+    jsonl: tuple[str, ...],
+    checkpoint_dir: Path | None,
+    log_timezone: str | None,
+    as_json: bool,
+    trainer: TrainerFlags,
+) -> None:
+    """Post-mortem: the resume records and verdicts of finished verl logs, derived as `serve` derives them.
 
-    tracker = Tracker(StateStore(None))
-    tracker.register_source(SourceName.LOG, stale_after=None)
-    malformed = sum(ingest_file(path, tracker) for path in logs)
-    records = tracker.snapshot.records
+    With --trainer-config (or the setting flags), --checkpoint-dir and --jsonl it gets the numbers serve
+    would have had; without them, numbers it cannot know are marked as lower bounds. Several logs are read
+    in time order.
+    """
+    from tqmon.postmortem import LogZone, NotATrainerLog
+    from tqmon.postmortem import analyze as post_mortem
+    from tqmon.report import table
+
+    try:
+        zone = LogZone.of(log_timezone)
+    except ValueError as err:
+        raise click.BadParameter(str(err), param_hint="--log-timezone") from None
+    try:
+        result = post_mortem(logs, jsonl=jsonl, checkpoint_dir=checkpoint_dir, given=trainer.resolve(), zone=zone)
+    except NotATrainerLog as err:
+        raise click.ClickException(str(err)) from None
     if as_json:
-        click.echo(json.dumps({"records": [r.to_json() for r in records], "malformed_lines": malformed}, indent=2))
+        click.echo(json.dumps(result.to_json(), indent=2))
         return
-    if not records:
+    click.echo(f"log timestamps read in {zone.name} ({zone.chosen} zone)")
+    if not result.records:
         click.echo("no trainer start found in " + ", ".join(logs))
     else:
-        click.echo(table(records))
-    if malformed:
-        click.echo(f"{malformed} malformed verl line(s) skipped", err=True)
+        click.echo(table(result.records))
+    for note in result.notes:
+        click.echo(f"note: {note}")
+    if result.malformed:
+        click.echo(f"{result.malformed} malformed verl line(s) skipped", err=True)
 
 
 @main.command("inspect")

@@ -13,7 +13,9 @@ from dataclasses import dataclass
 from itertools import islice
 from typing import Any, Protocol
 
+from tqmon.catalog import AGE_BUCKETS
 from tqmon.events import GroupCount
+from tqmon.snapshot import WindowView
 from tqmon.warmup import INFLIGHT_STATUSES, PROMPT_STATUSES
 
 PROGRESS_EVERY = 10_000  # keys between progress updates
@@ -86,6 +88,42 @@ class Composition:
 EMPTY = Composition({}, 0, 0, 0)
 
 
+def window_view(
+    partition: str,
+    source: str,
+    c: Composition,
+    trainer_step: int | None,
+    observed_at: float,
+    max_age: float | None = None,
+    *,
+    with_trajectories: bool = True,
+) -> WindowView:
+    """One partition's live window, the same for every source that sees prompt groups by step (the TQ poll,
+    the verl plugin). Ages are the trainer step minus each group's ``global_steps``; without a trainer step
+    from another source, the newest tag stands in for it."""
+    step = trainer_step if trainer_step is not None else c.newest_step
+    buckets, age_sum = c.age_histogram(step, AGE_BUCKETS) if step is not None else (None, None)
+    return WindowView(
+        partition,
+        source,
+        observed_at,
+        c.by_status,
+        trajectories=c.trajectories if with_trajectories else None,
+        orphan_trajectories=c.orphan_trajectories if with_trajectories else None,
+        age_buckets=buckets,
+        age_sum=age_sum,
+        max_age=max_age,
+    )
+
+
+def from_group_counts(groups: Iterable[GroupCount], trajectories: int = 0, orphans: int = 0) -> Composition:
+    """The composition a source stated (an event's ``groups``) rather than one classified from tags."""
+    counts: Counter[tuple[str, int]] = Counter()
+    for group in groups:
+        counts[(group.status, group.global_steps)] += group.count
+    return Composition(dict(counts), trajectories, orphans, 0)
+
+
 def compose(tags: Mapping[str, Any], progress: Progress | None = None) -> Composition:
     """Classify ``{key: tag}`` of one partition like verl 0.9.1, in one pass over the keys.
 
@@ -113,6 +151,25 @@ def compose(tags: Mapping[str, Any], progress: Progress | None = None) -> Compos
         if not isinstance(steps, int) or isinstance(steps, bool) or steps < 0:
             key = next(k for k, t in tags.items() if t.get("is_prompt", False) and t.get("global_steps") == steps)
             raise CompositionError(f"prompt key {key!r} has global_steps {steps!r}")
+    orphans, inflight = attribute(tags, trajectory_keys)
+    return Composition(groups, len(trajectory_keys), orphans, inflight, len(tags))
+
+
+def classify_keys(tags: Mapping[str, Any]) -> tuple[dict[tuple[Any, Any], int], list[str]]:
+    """The first pass of :func:`compose` alone, unvalidated: prompt groups by (status, steps), trajectory keys."""
+    groups: dict[tuple[Any, Any], int] = {}
+    trajectory_keys: list[str] = []
+    _fold(tags.items(), groups, trajectory_keys)
+    return groups, trajectory_keys
+
+
+def attribute(tags: Mapping[str, Any], trajectory_keys: Iterable[str]) -> tuple[int, int]:
+    """The second pass: (orphan, in-flight) trajectories, each trajectory key looked up by its uid.
+
+    This pass is most of a poll's aggregation cost (one string split and one lookup per trajectory key,
+    ``bench/bench_tq_poll.py`` profiles it); C-level pipelines (``map``/``Counter`` over ``str.partition``)
+    measured slower than this loop, because the split allocates per key either way.
+    """
     orphans = inflight = 0
     find = tags.get  # the prompt key of a trajectory is its uid: look it up in the reply itself
     for key in trajectory_keys:
@@ -121,7 +178,7 @@ def compose(tags: Mapping[str, Any], progress: Progress | None = None) -> Compos
             orphans += 1
         elif owner.get("status") in INFLIGHT_STATUSES:
             inflight += 1
-    return Composition(groups, len(trajectory_keys), orphans, inflight, len(tags))
+    return orphans, inflight
 
 
 def _fold(items: Iterable[tuple[str, Any]], groups: dict[tuple[Any, Any], int], trajectory_keys: list[str]) -> None:

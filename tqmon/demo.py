@@ -173,11 +173,12 @@ def resume_line(record: Mapping[str, Any] | None) -> str:
     detail = ", ".join(f"{s} {n}" for s, n in split.items() if n and s != "unknown")
     restored = _count(record["restored"]) + (f" ({detail})" if detail else "")
     doomed = record.get("doomed")
+    bound = " (lower bound)" if record.get("under_submitted_lower_bound") else ""
     numbers = (
         f"R {restored} · K {_count(record['reissued'])} · T {_count(record['target'])} · "
         f"M expected {_count(record['expected'])} / submitted {_count(record['submitted'])} · "
         f"O {_count(record['over_restored'])} · doomed {_count(sum(doomed.values()) if doomed else None)} · "
-        f"deficit {_count(record['under_submitted'])}"
+        f"deficit {_count(record['under_submitted'])}{bound}"
     )
     return f"last start: {start} · {numbers} · {record['warmup_state']}\n  verdict: {record['verdict']}"
 

@@ -107,6 +107,15 @@ def status_counts(by_status: Mapping[Any, int] | None, groups: list[GroupCount] 
     return None
 
 
+def check_breakdowns(by_status: Mapping[Any, int] | None, groups: list[GroupCount] | None) -> None:
+    """A stated split by status and a composition, when both are given, must count the same groups."""
+    if by_status is not None and groups is not None:
+        from_groups = status_counts(None, groups) or {}
+        stated = {str(status): count for status, count in by_status.items()}
+        if any(stated.get(status, 0) != count for status, count in from_groups.items()):
+            raise ValueError(f"by_status {by_status} disagrees with groups, which count {from_groups}")
+
+
 def restored_groups(groups: list[GroupCount]) -> list[RestoredGroup]:
     """The composition one group at a time, as the warmup model classifies it."""
     return [RestoredGroup(g.status, g.global_steps, g.filtered) for g in groups for _ in range(g.count)]
@@ -200,11 +209,7 @@ class CheckpointSaved(_Event):
 
     @model_validator(mode="after")
     def _breakdowns_agree(self) -> CheckpointSaved:
-        if self.by_status is not None and self.groups is not None:
-            from_groups = status_counts(None, self.groups) or {}
-            stated = {str(status): count for status, count in self.by_status.items()}
-            if any(stated.get(status, 0) != count for status, count in from_groups.items()):
-                raise ValueError(f"by_status {self.by_status} disagrees with groups, which count {from_groups}")
+        check_breakdowns(self.by_status, self.groups)
         return self
 
     def status_counts(self) -> dict[str, int] | None:
@@ -212,12 +217,39 @@ class CheckpointSaved(_Event):
         return status_counts(self.by_status, self.groups)
 
 
+WindowObserver = Literal["replay_buffer"]
+
+
 class WindowObserved(_Event):
-    """A count of the training window by status (the replay buffer's ``pending: a, running: b, …`` line)."""
+    """The live window of one partition: a count by status (the replay buffer's ``pending: a, …`` line), or
+    the verl plugin's full view of the replay buffer after one of its syncs (``observer: replay_buffer``).
+
+    The newest per source and partition wins. With an ``observer`` it is live data, applied without being
+    stored, so a plugin posting every second does not grow the state dir (a repeated id is applied again).
+    """
 
     type: Literal["window_observed"] = "window_observed"
     partition: Partition = "train"
     by_status: dict[Status, Count]
+    groups: list[GroupCount] | None = Field(
+        None, description="prompt groups by status and global_steps; tqmon derives the age histogram from it"
+    )
+    trajectories: Count | None = Field(None, description="trajectory keys of the partition")
+    orphan_trajectories: Count | None = Field(None, description="trajectory keys whose uid has no prompt key")
+    observer: WindowObserver | None = Field(
+        None,
+        description="what saw it; `replay_buffer` (the verl plugin) makes it tqmon source `replay_buffer`, "
+        "and the TQ poll backs off to a cross-check while that source is fresh",
+    )
+
+    @model_validator(mode="after")
+    def _groups_agree(self) -> WindowObserved:
+        check_breakdowns(self.by_status, self.groups)
+        return self
+
+    def source_name(self, received_through: str) -> str:
+        """The tqmon source this window counts for: its observer, else the door it came through."""
+        return self.observer or received_through
 
 
 Event = Annotated[

@@ -15,6 +15,7 @@ from tqmon.events import describe_validation
 from tqmon.warmup import TRAINER_MODES, GivenConfig, TrainerConfig, verl_setting
 
 _MISSING = object()
+RUN_NAME_KEYS = ("trainer.project_name", "trainer.experiment_name")  # the run's identity, as verl names its dirs
 
 
 class HydraConfigError(ValueError):
@@ -83,4 +84,6 @@ def load_trainer_config(path: Path) -> GivenConfig:
         config = TrainerConfig(**values)
     except ValidationError as err:
         raise HydraConfigError(f"{path}: {describe_validation(err)}") from None
-    return GivenConfig(str(mode), config, f"file:{path}")
+    names = [get(key, None) for key in RUN_NAME_KEYS]
+    run_id = "/".join(str(name) for name in names if name not in (None, ""))
+    return GivenConfig(str(mode), config, f"file:{path}", run_id)

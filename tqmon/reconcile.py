@@ -9,12 +9,14 @@ store, and why ``tqmon inspect`` predicts a resume with the very derivation the 
 
 from __future__ import annotations
 
+import json
 from collections import deque
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field, replace
 from statistics import fmean
 from typing import Any
 
+from tqmon.composition import from_group_counts, window_view
 from tqmon.cost import CostInputs, resume_cost
 from tqmon.events import (
     CheckpointRestored,
@@ -143,10 +145,11 @@ def derive_record(
     if state is WarmupState.LEGACY_UNCONDITIONAL:
         semantics = "verl-0.9.0"
 
-    doomed = _doomed(obs, config, restored)
+    rules, assumed = eviction_rules(config, obs.groups is not None and obs.checkpoint_step is not None)
+    doomed = _doomed(obs, rules, restored)
     under = None
     if target is not None and restored is not None and submitted is not None:
-        # Unknown doom reasons count as 0, so with a bare log this is a lower bound of the deficit.
+        # Unknown doom reasons count as 0, which makes the deficit a lower bound (and says so).
         lost = sum((doomed or {}).values())
         under = under_submitted(target, restored, min(lost, restored), submitted)
     reissued, cleared = obs.reissued, obs.cleared
@@ -178,6 +181,8 @@ def derive_record(
         over_restored=max(0, restored - target) if restored is not None and target is not None else None,
         doomed=doomed,
         under_submitted=under,
+        under_submitted_lower_bound=under is not None and not doomed_complete(doomed),
+        assumed_defaults=assumed if restored and doomed else (),
         warmup_state=state,
         semantics=semantics,
         first_step_evictions=obs.first_step_evictions,
@@ -240,6 +245,34 @@ def warmup_state(
     return WarmupState.UNKNOWN
 
 
+def doomed_complete(doomed: Mapping[str, int] | None) -> bool:
+    """Every doom reason is known, so the deficit computed from them is exact."""
+    return doomed is not None and set(doomed) >= set(DOOM_REASONS)
+
+
+# verl 0.9.1's defaults for the settings that decide evictions (ppo_trainer.yaml: max_off_policy_threshold 8,
+# max_off_policy_strategy drop, algorithm.filter_groups.enable False). T's settings are placeholders that the
+# doom classification never reads.
+VERL_EVICTION_DEFAULTS = WarmupConfig(trainer_mode="colocate_async", train_batch_size=1, num_warmup_batches=0)
+EVICTION_SETTINGS = ("max_off_policy_threshold", "max_off_policy_strategy", "filter_groups")
+
+
+def eviction_rules(config: WarmupConfig | None, per_group: bool) -> tuple[WarmupConfig, tuple[str, ...]]:
+    """The config that decides which restored groups are doomed, and the verl defaults it assumed (named
+    ``setting=value``): without the trainer config, verl's defaults make filtered computable, and stale too
+    when the groups' steps (``per_group``) are known."""
+    if config is not None:
+        return config, ()
+    defaults = VERL_EVICTION_DEFAULTS.model_dump()
+    used = EVICTION_SETTINGS if per_group else ("filter_groups",)
+    return VERL_EVICTION_DEFAULTS, tuple(f"{name}={_setting(defaults[name])}" for name in used)
+
+
+def _setting(value: object) -> str:
+    """A setting's value as verl's YAML writes it (``false``, ``null``, ``drop``)."""
+    return json.dumps(value) if value is None or isinstance(value, bool) else str(value)
+
+
 def _doomed(obs: Observed, config: WarmupConfig | None, restored: int | None) -> dict[str, int] | None:
     """Doomed restored groups by the reasons that are known; None when none is."""
     if restored == 0:
@@ -256,11 +289,16 @@ def restores_tq(config: WarmupConfig | None) -> bool:
 
 
 def window_target(config: WarmupConfig | None) -> int | None:
-    """T, or None where no window is kept (``skip.rollout_tq`` replays cached rollouts instead); sync mode
-    keeps none either, and verl's warmup counts its T as 0 there."""
-    if config is None or config.skip_rollout_tq:
+    """T, or None where verl defines none: its warmup returns before computing one when ``skip.rollout_tq``
+    is on (it replays cached rollouts) or ``num_warmup_batches <= 0``. Sync mode keeps no window, and
+    verl's warmup counts its T as 0 there."""
+    if config is None:
         return None
-    return target_window(config) if restores_tq(config) else 0
+    if not restores_tq(config):
+        return 0
+    if config.skip_rollout_tq or config.num_warmup_batches <= 0:
+        return None
+    return target_window(config)
 
 
 def with_checkpoint(obs: Observed, saved: Composition | None, config: WarmupConfig | None) -> Observed:
@@ -290,12 +328,14 @@ def with_checkpoint(obs: Observed, saved: Composition | None, config: WarmupConf
 
 
 def checkpoint_doomed(event: CheckpointSaved, config: WarmupConfig | None) -> dict[str, int] | None:
-    """Doomed groups of a resume from this checkpoint; None when the checkpoint's composition is unknown."""
+    """Doomed groups of a resume from this checkpoint (verl's eviction defaults without the config); None when
+    the checkpoint's composition is unknown."""
     statuses = event.status_counts()
     if statuses is None:
         return None
     groups = restored_groups(event.groups) if event.groups is not None else None
-    return known_doomed(config, statuses, groups, event.step, filter_verdicts=event.filter_metric is not None)
+    rules = eviction_rules(config, groups is not None)[0]
+    return known_doomed(rules, statuses, groups, event.step, filter_verdicts=event.filter_metric is not None)
 
 
 def predict_resume(saved: CheckpointSaved, reissued: int, cleared: int, config: WarmupConfig | None) -> ResumeRecord:
@@ -343,10 +383,13 @@ class Reconciler:
         self.resumes = 0
         self.trainer_step: int | None = None
         self.trainer_last_event: float | None = None
-        self.windows: dict[str, WindowView] = {}
+        self.windows: dict[tuple[str, str], WindowView] = {}  # (source, partition) -> the newest seen
         self.checkpoint: CheckpointView | None = None
         self._observed: Observed | None = None
         self._checkpoint_saved: tuple[CheckpointSaved, str] | None = None  # the event behind ``checkpoint``
+        # The checkpoint dir as the checkpoint source last read it (None: nothing readable there); once read,
+        # it, not the trainer's "saved" events, is what ``checkpoint`` shows, rollbacks and deletions included.
+        self._directory: tuple[CheckpointSaved | None] | None = None
         self._restart_hint: Evidence | None = None  # a restart sign no start has claimed yet
         self._step_seconds: deque[float] = deque(maxlen=STEP_RATE_WINDOW)
         self._compositions: dict[int, Composition] = {}  # step -> a checkpoint's composition
@@ -356,7 +399,8 @@ class Reconciler:
         self._last_activity: float | None = None
         self._event_time: float | None = None  # trainer_time of the event being applied
         if given is not None:  # run_started overrides it
-            self._set_run(RunInfo("", given.trainer_mode, "", given.config.model_dump(), given.origin), given.config)
+            run = RunInfo(given.run_id, given.trainer_mode, "", given.config.model_dump(), given.origin)
+            self._set_run(run, given.config)
 
     @property
     def step_seconds(self) -> float | None:
@@ -369,13 +413,13 @@ class Reconciler:
         return last.target if last is not None and last.target is not None else window_target(self.warmup_config)
 
     def observe_windows(self, windows: Iterable[WindowView]) -> None:
-        """Live windows from a poller, each superseding its partition's last view."""
+        """Live windows from a poller, each superseding its source's last view of the partition."""
         for window in windows:
-            self.windows[window.partition] = window
+            self.windows[(window.source, window.partition)] = window
 
     def drop_windows(self, source: str) -> None:
         """Forget a source's windows: a lost controller's last reply must not be served as fresh."""
-        self.windows = {p: w for p, w in self.windows.items() if w.source != source}
+        self.windows = {key: w for key, w in self.windows.items() if w.source != source}
 
     def hint(self, evidence: Evidence) -> None:
         """A sign of a trainer restart that is not itself a verl event (a new TQ controller, a truncated JSONL).
@@ -462,12 +506,26 @@ class Reconciler:
             case CheckpointSaved():
                 self._saved(event, source, at)
             case WindowObserved():
-                self.windows[event.partition] = WindowView(event.partition, source, seen, _str_keys(event.by_status))
+                self._observe_window(event, event.source_name(source), seen)
         if evidence_of is not None:
             evidence_of.evidence.append(Evidence(source, event.type, event.id, at, _describe(event)))
             self._rederive()
         if not isinstance(event, RunStarted):  # a new process announcing itself is not activity before a stop
             self._last_activity = _latest(self._last_activity, self._event_time)
+
+    def _observe_window(self, event: WindowObserved, source: str, at: float) -> None:
+        """A pushed window; one with a composition gets ages like a polled one."""
+        key = (source, event.partition)
+        if key in self.windows and self.windows[key].observed_at > at:
+            return  # a retried older post must not replace a newer window
+        if event.groups is None:
+            self.windows[key] = WindowView(event.partition, source, at, _str_keys(event.by_status))
+        else:
+            composition = from_group_counts(event.groups, event.trajectories or 0, event.orphan_trajectories or 0)
+            view = window_view(event.partition, source, composition, self.trainer_step, at)
+            self.windows[key] = replace(
+                view, trajectories=event.trajectories, orphan_trajectories=event.orphan_trajectories
+            )
 
     def _saved(self, event: CheckpointSaved, source: str, at: float) -> None:
         if source != SourceName.CHECKPOINT:  # the checkpoint dir may hold an older run's checkpoint
@@ -486,6 +544,12 @@ class Reconciler:
             self._derive_checkpoint()
         if not bare:
             self._rederive()  # the open start may have resumed from this very checkpoint
+
+    def observe_checkpoint_dir(self, event: CheckpointSaved | None) -> None:
+        """The checkpoint dir as it is now: its latest checkpoint, or None when it has none it can read (gone,
+        rolled back to a deleted step, unreadable). Unlike trainer events this may step back."""
+        self._directory = (event,)
+        self._derive_checkpoint()
 
     def _set_run(self, run: RunInfo, config: TrainerConfig) -> None:
         self.run = run
@@ -526,15 +590,23 @@ class Reconciler:
         return new
 
     def _derive_checkpoint(self) -> None:
-        if self._checkpoint_saved is None:
+        if self._directory is not None:
+            (current,) = self._directory
+            if current is None:
+                self.checkpoint = None
+                return
+            event, source = current, str(SourceName.CHECKPOINT)
+        elif self._checkpoint_saved is not None:
+            event, source = self._checkpoint_saved
+        else:
             return
-        event, source = self._checkpoint_saved
         self.checkpoint = CheckpointView(
             event.step,
             source,
             event.status_counts(),
             checkpoint_doomed(event, self.warmup_config),
             event.orphan_trajectories,
+            eviction_rules(self.warmup_config, event.groups is not None)[1] if event.status_counts() else (),
         )
 
     def _derive(self, obs: Observed) -> ResumeRecord:

@@ -6,25 +6,44 @@ from collections.abc import Mapping, Sequence
 from datetime import UTC, datetime
 
 from tqmon.snapshot import ResumeRecord
-from tqmon.warmup import WarmupState
+from tqmon.warmup import DOOM_REASONS, WarmupState
 
 
 def verdict(record: ResumeRecord) -> str:
-    """One line an operator can act on."""
+    """One line an operator can act on; a deficit that is only a lower bound says so, and names the defaults
+    it assumed."""
     problems = []
     if record.warmup_state is WarmupState.LEGACY_UNCONDITIONAL:
         problems.append("legacy verl 0.9.0 warmup stacked a full window on the restore")
     if record.submitted is not None and record.expected is not None and record.submitted != record.expected:
         problems.append(f"warmup submitted {record.submitted}, expected {record.expected}")
     if record.under_submitted:
-        problems.append(f"UNDER-SUBMITTED by {record.under_submitted}")
+        problems.append(f"UNDER-SUBMITTED by {deficit(record)}")
     if record.over_restored:
         problems.append(f"over-restored by {record.over_restored} (kept all run)")
+    if record.under_submitted == 0 and record.under_submitted_lower_bound:
+        problems.append(f"deficit {deficit(record)}: not known to be ok")
+    caveat = ""
+    if record.under_submitted is not None and record.assumed_defaults:
+        caveat = f" (assuming verl defaults {', '.join(record.assumed_defaults)})"
     if problems:
-        return "; ".join(problems)
+        return "; ".join(problems) + caveat
     if record.warmup_state is WarmupState.UNKNOWN:
         return "incomplete: warmup decision not seen"
-    return "ok"
+    return "ok" + caveat
+
+
+def unknown_doom_reasons(doomed: Mapping[str, int] | None) -> list[str]:
+    return [reason for reason in DOOM_REASONS if reason not in (doomed or {})]
+
+
+def deficit(record: ResumeRecord) -> str:
+    """The deficit as a number, or ``at least N (doomed stale not known)`` when it is a lower bound."""
+    if record.under_submitted is None:
+        return "-"
+    if not record.under_submitted_lower_bound:
+        return str(record.under_submitted)
+    return f"at least {record.under_submitted} (doomed {', '.join(unknown_doom_reasons(record.doomed))} not known)"
 
 
 def _fmt(value: int | None) -> str:
@@ -92,7 +111,7 @@ def table(records: Sequence[ResumeRecord]) -> str:
                 _fmt(r.submitted),
                 _fmt(r.over_restored),
                 _doomed(r),
-                _fmt(r.under_submitted),
+                f"≥{r.under_submitted}" if r.under_submitted_lower_bound else _fmt(r.under_submitted),
                 str(r.warmup_state),
                 _cost(r, r.cost.steps_lost),
                 _cost(r, r.cost.downtime_seconds, "s"),

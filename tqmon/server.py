@@ -81,6 +81,13 @@ class VerdictRecord(ResumeRecord):
     verdict: str = ""
 
 
+@dataclass(frozen=True, slots=True)
+class WindowObservation(WindowView):
+    """A source's newest window of a partition, served or not, and until when it counts as fresh."""
+
+    fresh_until: float = 0.0
+
+
 class SourceStatus(BaseModel):
     """A source's health (:class:`tqmon.snapshot.SourceHealth`) and whether it is up now."""
 
@@ -101,6 +108,7 @@ class Status(BaseModel):
     target_window: int | None
     window_status: str
     windows: list[WindowView]
+    window_observations: list[WindowObservation]  # every source's newest (the TQ cross-check beside the plugin's)
     trainer_step: int | None
     trainer_last_event: float | None
     checkpoint: CheckpointView | None
@@ -120,6 +128,9 @@ class Status(BaseModel):
             target_window=snapshot.target_window,
             window_status=snapshot.window_status(now),
             windows=list(snapshot.fresh_windows(now)),
+            window_observations=[
+                WindowObservation(**_fields(w), fresh_until=snapshot.fresh_until(w)) for w in snapshot.windows
+            ],
             trainer_step=snapshot.trainer_step,
             trainer_last_event=snapshot.trainer_last_event,
             checkpoint=snapshot.checkpoint,

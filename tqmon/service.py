@@ -12,7 +12,9 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from prometheus_client import CollectorRegistry
 
+from tqmon.binding import Identity, StateDirTaken, bind, run_identity
 from tqmon.exporters.prometheus import build_registry
+from tqmon.file_sd import FileSDError, file_sd_target
 from tqmon.retention import Retention, RetentionPolicy
 from tqmon.snapshot import Snapshot, SourceName
 from tqmon.sources.checkpoint import CheckpointSource
@@ -120,6 +122,18 @@ class ServiceConfig:
         "OTEL_RESOURCE_ATTRIBUTES, OTEL_SERVICE_NAME, and POD_NAME, POD_NAMESPACE (downward API). Default: off.",
         metavar="URL",
     )
+    file_sd: Path | None = _setting(
+        None,
+        "Announce this tqmon to Prometheus in a file_sd target file at PATH: written atomically once tqmon "
+        "listens, removed on exit (docs/deploy.md).",
+        metavar="PATH",
+    )
+    file_sd_label: tuple[str, ...] = _setting(
+        (),
+        "Label of the --file-sd target (repeatable; the env var is space-separated). SLURM_JOB_ID, "
+        "SLURM_JOB_NAME and SLURM_CLUSTER_NAME add slurm_job_id, slurm_job_name and slurm_cluster.",
+        metavar="NAME=VALUE",
+    )
 
     @property
     def address(self) -> tuple[str, int]:
@@ -176,6 +190,10 @@ class Service:
             if config.otlp_endpoint
             else None  # refused here, before any state is touched
         )
+        try:
+            self.file_sd = file_sd_target(config.file_sd, *config.address, config.file_sd_label)
+        except FileSDError as err:
+            raise ConfigError(str(err)) from None
         self.token = config.token or None
         self.max_body_bytes = config.max_body_bytes
         try:
@@ -185,6 +203,11 @@ class Service:
         except (OSError, sqlite3.Error) as err:
             detail = err.strerror if isinstance(err, OSError) and err.strerror else str(err)
             raise StartupError(f"--state-dir {config.state_dir}: unusable: {detail}") from None
+        try:
+            bind(self.store, self.identity, config.state_dir)
+        except StateDirTaken as err:
+            self.store.close()
+            raise ConfigError(str(err)) from None
         self.tracker = Tracker(self.store, stale_after=config.stale_after, given=config.trainer, announce=announce)
         replayed = self.tracker.replay()
         if replayed:
@@ -224,6 +247,13 @@ class Service:
         self.registry: CollectorRegistry = build_registry(current, process_metrics=config.process_metrics)
 
     @property
+    def identity(self) -> Identity:
+        """The run this service monitors, as its state dir is bound to it."""
+        config = self.config
+        run_id = config.trainer.run_id if config.trainer is not None else ""
+        return run_identity(run_id, config.checkpoint_dir, config.log_patterns, config.jsonl_patterns)
+
+    @property
     def sources(self) -> list[Source]:
         candidates = (self.log_source, self.jsonl_source, self.checkpoint_source, self.tq_source)
         return [source for source in candidates if source is not None]
@@ -234,8 +264,14 @@ class Service:
             source.start()
         if self.otlp is not None:
             self.otlp.start()
+        if self.file_sd is not None:
+            # Last, and from the app's lifespan, which serve_forever runs once the socket listens: the scrape
+            # Prometheus makes as soon as it reads the file waits in the backlog instead of being refused.
+            self.file_sd.register()
 
     def stop(self) -> None:
+        if self.file_sd is not None:
+            self.file_sd.deregister()
         for source in self.sources:
             source.stop()
         if self.otlp is not None:

@@ -19,6 +19,7 @@ class SourceName(enum.StrEnum):
     LOG = "log"
     JSONL = "jsonl"
     EVENTS = "events"
+    REPLAY_BUFFER = "replay_buffer"  # the verl plugin's window after each replay buffer sync
 
 
 class Tally(enum.StrEnum):
@@ -66,6 +67,10 @@ class ResumeRecord:
     first_step_evictions: Mapping[str, int] | None = None
     first_step_generation_wait_seconds: float | None = None
     evidence: tuple[Evidence, ...] = ()
+    # The deficit counts unknown doom reasons as 0: at least ``under_submitted``, not exactly.
+    under_submitted_lower_bound: bool = False
+    # verl defaults assumed for settings no config gave (``setting=value``), where they decided a number.
+    assumed_defaults: tuple[str, ...] = ()
     cost: ResumeCost = field(default_factory=ResumeCost)  # what the resume cost; all unknown for a fresh start
 
     def to_json(self) -> dict[str, Any]:
@@ -129,6 +134,7 @@ class TQPollView:
     busy_ratio: float | None  # estimated share of the controller's request thread tqmon uses
     reply_keys: int | None  # keys in the last kv_list reply; None when the last poll failed
     fast_until: float | None  # polling at the fast end until then (after a resume)
+    cross_check: bool = False  # another source feeds the window: kv_list is only a sparse cross-check now
 
 
 @dataclass(frozen=True, slots=True)
@@ -140,6 +146,7 @@ class CheckpointView:
     by_status: Mapping[str, int] | None = None
     doomed: Mapping[str, int] | None = None
     orphan_trajectories: int | None = None
+    assumed_defaults: tuple[str, ...] = ()  # verl defaults the doomed groups assumed (no trainer config)
 
 
 @dataclass(frozen=True, slots=True)
@@ -166,7 +173,7 @@ class Snapshot:
     stale_after: float
     run: RunInfo | None
     target_window: int | None
-    windows: tuple[WindowView, ...]
+    windows: tuple[WindowView, ...]  # the newest of each (source, partition); see fresh_windows
     trainer_step: int | None
     trainer_last_event: float | None
     trainer_step_seconds: float | None  # mean duration of the last steps (verl timing_s/step)
@@ -181,9 +188,23 @@ class Snapshot:
     otlp: OTLPView | None = None  # set by the OTLP exporter on the snapshot it and /metrics render
     state: StateHealth = StateHealth()  # the state dir; failures are the store's, counted in memory
 
+    def fresh_until(self, window: WindowView) -> float:
+        """When a window stops being served: frozen data is never served as fresh."""
+        return window.observed_at + max(self.stale_after, window.max_age or 0.0)
+
     def fresh_windows(self, now: float) -> tuple[WindowView, ...]:
-        """Windows observed within ``stale_after``: frozen data is never served as fresh."""
-        return tuple(w for w in self.windows if now - w.observed_at <= max(self.stale_after, w.max_age or 0.0))
+        """The window of each partition that is served: the newest fresh one of any source."""
+        newest: dict[str, WindowView] = {}
+        for window in self.windows:
+            if now <= self.fresh_until(window) and (
+                window.partition not in newest or window.observed_at > newest[window.partition].observed_at
+            ):
+                newest[window.partition] = window
+        return tuple(newest.values())
+
+    def window_fresh_until(self, source: str) -> float | None:
+        """Until when ``source`` has a fresh window (the TQ poll backs off while the plugin's is); None: none yet."""
+        return max((self.fresh_until(w) for w in self.windows if w.source == source), default=None)
 
     def window_status(self, now: float) -> str:
         train = next((w for w in self.fresh_windows(now) if w.partition == "train"), None)

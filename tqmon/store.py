@@ -18,7 +18,7 @@ import sqlite3
 import threading
 import time
 from collections import Counter
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
@@ -53,6 +53,10 @@ CREATE TABLE IF NOT EXISTS cursors (
     key TEXT PRIMARY KEY,
     value TEXT NOT NULL
 );
+CREATE TABLE IF NOT EXISTS run_binding (
+    id INTEGER PRIMARY KEY CHECK (id = 1),
+    identity TEXT NOT NULL
+);
 """
 
 # v1 -> v2: the event type as a column (retention keeps the newest events of some types), a key/value
@@ -68,7 +72,7 @@ INSERT INTO counters (name, labels, value)
     ON CONFLICT (name, labels) DO UPDATE SET value = value + excluded.value;
 DELETE FROM counters WHERE name LIKE 'tqmon!_%!_total' ESCAPE '!';
 """
-V1_TABLES = {"events", "counters", "cursors"}
+V1_TABLES = {"events", "counters", "cursors"}  # run_binding came late in v1: a v1 store may lack it
 # What the reconciler reads from before a start, for the resume's cost (tqmon.cost): the last step the trainer
 # completed, the last it saved, and its latest timed event (reconcile.trainer_time: the event's time, or the
 # receipt of a posted one). Retention keeps, before every retained start, the first event of each (condition,
@@ -374,6 +378,20 @@ class StateStore:
             rows = self._db.execute("SELECT name, labels, value FROM counters").fetchall()
         stored = Counter({(name, labels): value for name, labels, value in rows})
         return dict(stored + self._pending_counters)
+
+    def bound_run(self) -> dict[str, str] | None:
+        """The identity of the run this state belongs to (:mod:`tqmon.binding`), or None if not bound yet."""
+        with self._lock:
+            row = self._db.execute("SELECT identity FROM run_binding WHERE id = 1").fetchone()
+        return None if row is None else dict(json.loads(row[0]))
+
+    def bind_run(self, identity: Mapping[str, str]) -> None:
+        with self._lock:
+            self._db.execute(
+                "INSERT INTO run_binding (id, identity) VALUES (1, ?) "
+                "ON CONFLICT (id) DO UPDATE SET identity = excluded.identity",
+                (json.dumps(dict(identity), sort_keys=True),),
+            )
 
     def cursor(self, key: str) -> object | None:
         with self._lock:

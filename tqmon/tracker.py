@@ -12,9 +12,10 @@ import time
 from collections import Counter
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import TypeGuard
 
 from tqmon import __version__
-from tqmon.events import Event
+from tqmon.events import CheckpointSaved, Event, WindowObserved
 from tqmon.reconcile import Reconciler
 from tqmon.snapshot import Evidence, Snapshot, SourceHealth, SourceName, Tally, TQPollView, WindowView
 from tqmon.store import PRUNED_RESUMES, StateStore
@@ -80,6 +81,10 @@ class Tracker:
         snapshot = self._snapshot
         return TrainerProgress(snapshot.trainer_step, snapshot.records_total)
 
+    def window_fresh_until(self, source: str) -> float | None:
+        """Until when ``source`` has a fresh window, for a poller that backs off while another source feeds it."""
+        return self._snapshot.window_fresh_until(source)
+
     def cursor(self, key: str) -> object | None:
         return self._store.cursor(key)
 
@@ -113,12 +118,21 @@ class Tracker:
     ) -> tuple[int, int]:
         """Persist and apply events from one source; returns (applied, duplicates)."""
         received_at = self._clock()
-        lines = [(Tally.LOG_LINES, (outcome,), n) for outcome, n in (log_lines or {}).items()]
+        live = [e for e in events if _is_live(e)]  # the plugin's windows: applied, never stored (one a second)
+        increments = [
+            *((Tally.LOG_LINES, (outcome,), n) for outcome, n in (log_lines or {}).items()),
+            (Tally.EVENTS, (source, "applied"), len(live)),
+        ]
         with self._lock:
-            fresh = self._commit(((e, source, received_at) for e in events), lines, cursors)
+            stored = iter(
+                self._commit(((e, source, received_at) for e in events if not _is_live(e)), increments, cursors)
+            )
+            fresh = [_is_live(e) or next(stored) for e in events]
             for event, is_new in zip(events, fresh, strict=True):
                 if is_new:
                     self._state.apply(event, source, received_at)
+            for event in live:
+                self._live_source_seen(event.source_name(source), event.timestamp(received_at))
             self._publish()
             applied = sum(fresh)
             return applied, len(events) - applied
@@ -168,6 +182,12 @@ class Tracker:
             )
             self._publish()
 
+    def source_expected(self, source: str, stale_after: float) -> None:
+        """The source will next succeed later than usual, on purpose (a poll backing off): move its horizon."""
+        with self._lock:
+            self._health[source].stale_after = stale_after
+            self._publish()
+
     def source_failed(self, source: str, reason: str, message: str, *, duration: float | None = None) -> None:
         with self._lock:
             health = self._health[source]
@@ -212,6 +232,13 @@ class Tracker:
             self.restart_hint(Evidence(SourceName.TQ, "controller_started", controller_id, self._clock(), detail))
             return epochs
 
+    def observe_checkpoint_dir(self, event: CheckpointSaved | None) -> None:
+        """The checkpoint dir's latest checkpoint as read now (None: none readable); the tqmon_checkpoint_*
+        series follow it, back to an older step or away. Not persisted: the source reads again at start."""
+        with self._lock:
+            self._state.observe_checkpoint_dir(event)
+            self._publish()
+
     def restart_hint(self, evidence: Evidence) -> None:
         """A sign of a trainer restart that is not itself a verl event (a new TQ controller, a truncated JSONL)."""
         with self._lock:
@@ -226,6 +253,12 @@ class Tracker:
             health.said = line
             if self._announce is not None:
                 self._announce(f"{source}: {line}")
+
+    def _live_source_seen(self, source: str, at: float) -> None:
+        """A source named by a live window (the plugin's ``replay_buffer``) is up while its windows arrive."""
+        health = self._health.setdefault(source, _Health(self._stale_after))
+        health.ok, health.last_error = True, None
+        health.last_success = max(health.last_success or at, at)
 
     def _commit(
         self,
@@ -278,3 +311,8 @@ class Tracker:
             records=tuple(state.records),
             state=self._store.health(),
         )
+
+
+def _is_live(event: Event) -> TypeGuard[WindowObserved]:
+    """A window an observer (the verl plugin) reports about every second: applied, not persisted."""
+    return isinstance(event, WindowObserved) and event.observer is not None

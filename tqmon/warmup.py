@@ -171,6 +171,7 @@ class GivenConfig:
     trainer_mode: str
     config: TrainerConfig
     origin: str  # "flags" or "file:<path>"
+    run_id: str = ""  # "<trainer.project_name>/<trainer.experiment_name>" from a config file
 
     @property
     def warmup(self) -> WarmupConfig:

@@ -10,6 +10,7 @@ from typing import Any
 from tqmon.checkpoint.layout import LATEST_FILE, STEP_DIR, TQ_DIR, CheckpointReading
 from tqmon.checkpoint.storage import FilterVerdicts
 from tqmon.reconcile import predict_resume
+from tqmon.report import deficit
 from tqmon.snapshot import ResumeRecord
 from tqmon.warmup import DOOM_REASONS, WarmupConfig, WarmupState, is_stale
 
@@ -97,10 +98,12 @@ class Preflight:
     @property
     def notes(self) -> tuple[str, ...]:
         if self.config is None:
+            assumed = ", ".join(self.record.assumed_defaults)
             return (
                 "T, M, O and the under-submission need the trainer config: --trainer-config "
-                "<run dir>/.hydra/config.yaml, or --train-batch-size and --num-warmup-batches "
-                "(stale and filtered also need it)",
+                "<run dir>/.hydra/config.yaml, or --train-batch-size and --num-warmup-batches",
+                # Without it, verl's eviction defaults decide stale and filtered (named), never silently.
+                *((f"doomed assumes verl's defaults {assumed}",) if assumed else ()),
             )
         if self.warmup_state is WarmupState.SYNC_MODE:
             return ("sync mode: verl neither restores nor re-issues TransferQueue state; nothing of it comes back",)
@@ -185,6 +188,7 @@ class Preflight:
             "useful_after_warmup": self.useful,
             "under_submitted": self.under_submitted,
             "under_submitted_is_lower_bound": self.under_submitted is not None and not self.doomed_complete,
+            "assumed_defaults": list(self.record.assumed_defaults),
             "controller_state_bytes": self.reading.size_bytes,
             "saved_at": self.reading.saved_at_ns / 1e9,
             "dapo": self.dapo_json(),
@@ -281,7 +285,7 @@ def render(result: Preflight) -> str:
                 )
             )
         if result.under_submitted is not None:
-            rows.append(("under-submitted", str(result.under_submitted)))
+            rows.append(("under-submitted", deficit(result.record)))
     width = max(len(label) for label, _ in rows)
     lines = [head, ""] + [f"{label.ljust(width)}  {value}" for label, value in rows]
     lines += [f"note: {note}" for note in result.notes]

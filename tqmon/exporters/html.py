@@ -444,7 +444,8 @@ def _sources(snapshot: Snapshot, now: float) -> str:
         busy = "" if tq.busy_ratio is None else f", ~{tq.busy_ratio:.2%} of the controller's request thread"
         trainer += (
             f"<p>TransferQueue poller: controller {_e(tq.controller_id or 'not found')}, epoch {_e(tq.epochs)}, "
-            f"every {_e(f'{tq.interval:g}')} s{_e(busy)}.</p>"
+            f"every {_e(f'{tq.interval:g}')} s{_e(busy)}"
+            f"{', only as a cross-check: the verl plugin feeds the window' if tq.cross_check else ''}.</p>"
         )
     return (
         f'<section id="sources"><h2>Sources</h2>{trainer}<table><thead><tr><th>source</th><th>state</th>'

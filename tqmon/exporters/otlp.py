@@ -267,6 +267,7 @@ RESUME_ATTRIBUTES: dict[str, str] = {
     "tqmon.resume.over_restored": "O = max(0, R - T)",
     "tqmon.resume.doomed.<reason>": "doomed restored groups by reason (only the known reasons)",
     "tqmon.resume.under_submitted": "the deficit max(0, T - (R - doomed + M))",
+    "tqmon.resume.under_submitted_lower_bound": "true when the deficit is only a lower bound (a doom reason unknown)",
     "tqmon.resume.first_step.evicted.<reason>": "what the first sample really evicted (first_step only)",
     "tqmon.resume.first_step.generation_wait_seconds": "the first step's wait for rollouts (first_step only)",
     "tqmon.resume.warmup_state": "a `tqmon_resume_warmup_state` state",
@@ -294,6 +295,9 @@ def resume_attributes(record: ResumeRecord, phase: str) -> dict[str, AttributeVa
         "tqmon.resume.submitted": record.submitted,
         "tqmon.resume.over_restored": record.over_restored,
         "tqmon.resume.under_submitted": record.under_submitted,
+        "tqmon.resume.under_submitted_lower_bound": (
+            record.under_submitted_lower_bound if record.under_submitted is not None else None
+        ),
         "tqmon.resume.warmup_state": str(record.warmup_state),
         "tqmon.resume.semantics": record.semantics,
         "tqmon.resume.verdict": verdict(record),

@@ -115,6 +115,9 @@ def metric_values(snapshot: Snapshot, now: float) -> Iterator[tuple[MetricSpec, 
             "tqmon_resume_over_restored_prompt_groups": _opt(record.over_restored),
             "tqmon_resume_doomed_prompt_groups": [Series((r,), n) for r, n in (record.doomed or {}).items()],
             "tqmon_resume_under_submitted_prompt_groups": _opt(record.under_submitted),
+            "tqmon_resume_under_submitted_lower_bound": []
+            if record.under_submitted is None
+            else [Series((), float(record.under_submitted_lower_bound))],
             "tqmon_resume_first_step_evicted_prompt_groups": [
                 Series((r,), n) for r, n in (record.first_step_evictions or {}).items()
             ],

@@ -12,6 +12,7 @@ every hook body is guarded, and a failure is logged and counted instead.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import sys
@@ -28,6 +29,7 @@ from tqmon.composition import Composition, compose
 from tqmon.events import CheckpointSaved, RunStarted
 from tqmon.integrations.poster import EventPoster
 from tqmon.integrations.resume import StartReporter, Submission
+from tqmon.integrations.window import DEFAULT_INTERVAL, WindowReporter
 from tqmon.warmup import TrainerConfig
 
 try:
@@ -117,9 +119,13 @@ class _Plugin:
         self.run_id = str(config.trainer.get("experiment_name", "") or "verl")
         self.ids = f"{self.run_id}/{uuid.uuid4().hex[:12]}"  # one trainer process is one start
         self.mode, self.settings = trainer_settings(config)
+        self.window: WindowReporter | None = None
         if self.poster is None:
             log.warning("tqmon: TQMON_URL is not set; the tqmon verl plugin reports nothing")
             return
+        interval = window_interval()
+        if interval > 0:
+            self.window = WindowReporter(self.poster, self.ids, interval)
         self.poster.post(
             RunStarted(
                 id=f"{self.ids}/run",
@@ -129,6 +135,45 @@ class _Plugin:
                 config=self.settings,
             )
         )
+
+
+def window_interval() -> float:
+    """``$TQMON_WINDOW_REPORT_INTERVAL``: seconds between window posts at most (default 1; 0 turns them off)."""
+    raw = os.environ.get("TQMON_WINDOW_REPORT_INTERVAL", "")
+    try:
+        interval = float(raw) if raw else DEFAULT_INTERVAL
+    except ValueError:
+        interval = -1.0
+    if interval < 0:
+        log.warning("tqmon: TQMON_WINDOW_REPORT_INTERVAL=%r is not a number >= 0; using %g s", raw, DEFAULT_INTERVAL)
+        return DEFAULT_INTERVAL
+    return interval
+
+
+def watch_replay_buffer(buffer: Any, reporter: WindowReporter) -> bool:
+    """Report ``buffer``'s view after each of its syncs and after each batch it takes; False if it is not a verl
+    0.9 replay buffer (a custom sampler without those methods). Wraps this instance's two methods only:
+    verl's calls, arguments, results and exceptions pass through unchanged."""
+    if not all(hasattr(buffer, name) for name in ("_sync_metadata_from_transfer_queue", "_materialize_batch")):
+        return False
+    if "_sync_metadata_from_transfer_queue" in vars(buffer):
+        return True  # already watched
+    sync, materialize = buffer._sync_metadata_from_transfer_queue, buffer._materialize_batch
+
+    @functools.wraps(sync)
+    def synced(*args: Any, **kwargs: Any) -> Any:
+        result = sync(*args, **kwargs)
+        reporter.synced(buffer)
+        return result
+
+    @functools.wraps(materialize)
+    def sampled(partition_id: str, selected_prompt_uids: list[str], *args: Any, **kwargs: Any) -> Any:
+        batch = materialize(partition_id, selected_prompt_uids, *args, **kwargs)
+        reporter.sampled(buffer, partition_id, selected_prompt_uids)
+        return batch
+
+    buffer._sync_metadata_from_transfer_queue, buffer._materialize_batch = synced, sampled
+    return True
 
 
 def plugin(config: Any) -> _Plugin:
@@ -183,10 +228,12 @@ class TqmonAgentLoopManager(AgentLoopManagerTQ):  # type: ignore[misc]
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._tqmon: StartReporter | None = None
+        self._window: WindowReporter | None = None  # until the trainer's replay buffer is watched
         try:
             state = plugin(self.config)
             if state.poster is not None:
                 self._tqmon = StartReporter(state.poster, state.ids, state.settings, state.mode)
+                self._window = state.window
         except Exception:
             log.exception("tqmon: plugin setup failed; submissions are not reported")
 
@@ -215,4 +262,21 @@ class TqmonAgentLoopManager(AgentLoopManagerTQ):  # type: ignore[misc]
                 self._tqmon.submitted(classify(sys._getframe(1)), len(prompts))
             except Exception:
                 log.exception("tqmon: could not classify a submission")
+        if self._window is not None:
+            self._watch(sys._getframe(1))
         return super().generate_sequences(prompts)
+
+    def _watch(self, caller: FrameType) -> None:
+        """The trainer submits through its own methods (``fit`` hands it this manager), so the caller's ``self``
+        is the trainer: watch its replay buffer from this first submission on (before its first sample)."""
+        reporter = self._window
+        try:
+            buffer = getattr(caller.f_locals.get("self"), "replay_buffer", None)
+            if buffer is None or reporter is None:
+                return  # not the trainer calling: try again at the next submission
+            self._window = None
+            if not watch_replay_buffer(buffer, reporter):
+                log.warning("tqmon: %s is not a verl replay buffer; the window is not reported", type(buffer).__name__)
+        except Exception:
+            self._window = None
+            log.exception("tqmon: could not watch the replay buffer")

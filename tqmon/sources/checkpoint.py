@@ -7,7 +7,7 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from tqmon.checkpoint.layout import NoCheckpointYet, read_checkpoint, signature
+from tqmon.checkpoint.layout import LATEST_FILE, NoCheckpointYet, read_checkpoint, signature
 from tqmon.checkpoint.unpickler import CheckpointError
 from tqmon.snapshot import SourceName, Tally
 from tqmon.sources.polling import PollingLoop
@@ -29,6 +29,7 @@ class CheckpointSource:
         self._seen: tuple[object, ...] | None = None  # signature of the last read
         self._error: CheckpointError | None = None  # its error, re-reported until the files change
         self._filter_error: CheckpointError | None = None  # the storage units' of a readable checkpoint
+        self._read_step: int | None = None  # the last checkpoint this process read here
         self._loop = PollingLoop(self.name, tracker, self.poll, interval)
         tracker.register_source(self.name, stale_after=max(30.0, 10 * interval), watching=str(checkpoint_dir))
 
@@ -40,22 +41,30 @@ class CheckpointSource:
 
     def poll(self) -> float:
         """One look at the checkpoint dir; a checkpoint it cannot read is this source's failure, no checkpoint
-        yet is not. Storage units it cannot read are counted once per checkpoint; the composition stands."""
+        yet is not (unless this process read one here before: then they were deleted). Storage units it cannot
+        read are counted once per checkpoint; the composition stands."""
         started = time.monotonic()
         current = signature(self.checkpoint_dir)
         if current != self._seen:
             self._seen, self._error, self._filter_error = None, None, None  # read again if this read dies of a bug
             try:
                 reading = read_checkpoint(self.checkpoint_dir, filter_metric=self.filter_metric)
+            except NoCheckpointYet as err:
+                self._error = err if self._read_step is None else self._gone()
+                self.tracker.observe_checkpoint_dir(None)  # nothing saved (yet, or any more): no series
             except CheckpointError as err:
                 self._error = err
                 if err.refusal is not None:  # counted once per file version, like the read
                     self.tracker.count(Tally.PICKLE_REFUSALS, (err.refusal,))
+                self.tracker.observe_checkpoint_dir(None)  # a deleted step or an unreadable file: no series
             else:
+                self._read_step = reading.step
                 self._filter_error = reading.filter_error
                 if reading.filter_error is not None:
                     self.tracker.source_error(self.name, reading.filter_error.reason)
-                self.tracker.ingest([reading.to_event()], self.name)
+                event = reading.to_event()
+                self.tracker.observe_checkpoint_dir(event)  # may step back: a rollback of the latest file
+                self.tracker.ingest([event], self.name)
             self._seen = current
         duration = time.monotonic() - started
         if isinstance(self._error, NoCheckpointYet):  # a fresh run: up, with nothing to predict yet
@@ -68,3 +77,11 @@ class CheckpointSource:
         else:
             self.tracker.source_succeeded(self.name, duration)
         return self.interval
+
+    def _gone(self) -> CheckpointError:
+        """No latest file after a checkpoint was read here: deleted checkpoints are a failure, not a fresh run."""
+        latest = self.checkpoint_dir / LATEST_FILE
+        where = latest if self.checkpoint_dir.is_dir() else self.checkpoint_dir
+        return CheckpointError(
+            "unavailable", f"checkpoints gone: {where} does not exist any more (global_step_{self._read_step} was read)"
+        )

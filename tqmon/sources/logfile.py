@@ -72,17 +72,6 @@ def parse_chunk(
     return events, outcomes, errors
 
 
-def ingest_file(path: str, tracker: Tracker) -> int:
-    """Read a finished log whole into ``tracker``; returns how many malformed verl lines were skipped."""
-    with open(path, "rb") as handle:
-        st = os.fstat(handle.fileno())
-        events, outcomes, errors = parse_chunk(read_lines(handle, 0, final=True), f"{st.st_dev}-{st.st_ino}")
-    tracker.ingest(events, SourceName.LOG, log_lines=outcomes)
-    for message in errors[:5]:
-        log.warning("skipped malformed log line: %s", message)
-    return len(errors)
-
-
 def parse_jsonl(line: str, _fallback_id: str) -> ParsedLine:
     """verl's JSONL lines carry no timestamp but are unique by content: their ids come from it."""
     return parse_jsonl_line(line)

@@ -12,7 +12,7 @@ import hashlib
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
-from datetime import datetime
+from datetime import datetime, tzinfo
 from typing import Literal
 
 from pydantic import ValidationError
@@ -196,8 +196,9 @@ def clean(line: str) -> str:
     return RAY_REPEATED.sub("", RAY_PREFIX.sub("", ANSI.sub("", line))).strip()
 
 
-def parse_line(line: str, fallback_id: str) -> ParsedLine:
-    """Parse one raw line; ``fallback_id`` identifies it when it carries no timestamp."""
+def parse_line(line: str, fallback_id: str, zone: tzinfo | None = None) -> ParsedLine:
+    """Parse one raw line; ``fallback_id`` identifies it when it carries no timestamp. verl's timestamps
+    carry no zone: they are read in ``zone``, else in the machine's."""
     text = clean(line)
     header = LOG_HEADER.match(text)
     at: datetime | None = None
@@ -206,7 +207,8 @@ def parse_line(line: str, fallback_id: str) -> ParsedLine:
     if header is not None:
         message = header["message"].strip()
         try:
-            at = datetime.strptime(header["asctime"], "%Y-%m-%d %H:%M:%S,%f").astimezone()
+            naive = datetime.strptime(header["asctime"], "%Y-%m-%d %H:%M:%S,%f")
+            at = naive.replace(tzinfo=zone) if zone is not None else naive.astimezone()
         except (ValueError, OverflowError) as err:  # e.g. 2026-02-30: the regex only checks the shape
             bad_time = f"invalid timestamp {header['asctime']!r}: {err}"
     if message.startswith("step:"):

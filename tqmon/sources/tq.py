@@ -25,8 +25,7 @@ from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from typing import Any
 
-from tqmon.catalog import AGE_BUCKETS
-from tqmon.composition import Composition, CompositionError, compose
+from tqmon.composition import Composition, CompositionError, compose, window_view
 from tqmon.snapshot import SourceName, TQPollView, WindowView
 from tqmon.sources.polling import PollingLoop
 from tqmon.tracker import Tracker
@@ -36,6 +35,7 @@ CONTROLLER_NAME = "TransferQueueController"
 CONTROLLER_NAMESPACE = "transfer_queue"
 TRAIN = "train"
 MIN_HORIZON = 30.0  # seconds a poll stays fresh at least
+FEEDER = SourceName.REPLAY_BUFFER  # the source (the verl plugin) whose fresh window turns the poll into a cross-check
 STARTUP_GRACE = 60.0  # a new poller process imports Ray and TransferQueue and joins the cluster
 log = logging.getLogger(__name__)
 
@@ -66,6 +66,11 @@ class PollSettings:
     fast_period: float = _poll_setting(
         300.0, "Seconds of fast polling after a resume is detected (when the window matters most)."
     )
+    cross_check_interval: float = _poll_setting(
+        600.0,
+        "While the verl plugin reports the window from the replay buffer's own sync (source replay_buffer), "
+        "kv_list polls only every this many seconds, as a cross-check; 0 keeps polling at the budget's interval.",
+    )
     smoothing: float = 0.3  # weight of the newest poll's cost in the running estimate
 
     def validate(self) -> None:
@@ -77,6 +82,8 @@ class PollSettings:
             )
         if self.fast_period < 0:
             raise ValueError(f"--tq-fast-period must not be negative, got {self.fast_period}")
+        if self.cross_check_interval < 0:
+            raise ValueError(f"--tq-cross-check-interval must not be negative, got {self.cross_check_interval}")
 
 
 @dataclass
@@ -109,6 +116,19 @@ class PollBudget:
         return None if self.cost is None else self.cost / (self.cost + interval)
 
 
+def poll_delay(now: float, last_poll: float, interval: float, fed_until: float | None, cross_check: float) -> float:
+    """Seconds until the next ``kv_list`` (0: poll now); the whole cross-check policy, without I/O.
+
+    Normally the next poll comes ``interval`` (the budget's choice) after the last. While another source's
+    window is fresh (until ``fed_until``: the verl plugin reports the replay buffer's own view), the trainer
+    already paid for that view, so the poll becomes a cross-check every ``cross_check`` seconds, and polling
+    resumes once that window goes stale. ``cross_check`` 0 switches the back-off off.
+    """
+    if fed_until is None or now >= fed_until or cross_check <= 0:
+        return max(0.0, last_poll + interval - now)
+    return max(0.0, min(last_poll + max(interval, cross_check), fed_until) - now)
+
+
 def compose_partitions(reply: dict[str, dict[str, Any]]) -> tuple[dict[str, Composition], int]:
     """``train`` and ``val`` of one ``kv_list`` reply, and the reply's key count."""
     return {p: compose(reply.get(p) or {}) for p in PARTITIONS}, sum(len(tags) for tags in reply.values())
@@ -117,9 +137,8 @@ def compose_partitions(reply: dict[str, dict[str, Any]]) -> tuple[dict[str, Comp
 def windows_of(
     compositions: dict[str, Composition], trainer_step: int | None, observed_at: float, max_age: float | None = None
 ) -> list[WindowView]:
-    """The live windows. Ages are the trainer step minus each group's tag ``global_steps``; without a
-    trainer step from another source, the newest tag stands in for it."""
-    return [_window(p, c, trainer_step, observed_at, max_age) for p, c in compositions.items()]
+    """The live windows of one poll (see :func:`tqmon.composition.window_view` for the ages)."""
+    return [window_view(p, SourceName.TQ, c, trainer_step, observed_at, max_age) for p, c in compositions.items()]
 
 
 def windows_from(
@@ -127,24 +146,6 @@ def windows_from(
 ) -> tuple[list[WindowView], int]:
     compositions, keys = compose_partitions(reply)
     return windows_of(compositions, trainer_step, observed_at, max_age), keys
-
-
-def _window(
-    partition: str, c: Composition, trainer_step: int | None, observed_at: float, max_age: float | None
-) -> WindowView:
-    step = trainer_step if trainer_step is not None else c.newest_step
-    buckets, age_sum = c.age_histogram(step, AGE_BUCKETS) if step is not None else (None, None)
-    return WindowView(
-        partition,
-        SourceName.TQ,
-        observed_at,
-        c.by_status,
-        trajectories=c.trajectories,
-        orphan_trajectories=c.orphan_trajectories,
-        age_buckets=buckets,
-        age_sum=age_sum,
-        max_age=max_age,
-    )
 
 
 class ControllerClient:
@@ -363,7 +364,11 @@ class TQSource:
         self._starts_seen = tracker.progress().starts
         self._epochs = tracker.controller_epochs()
         self._lost = False
-        self._loop = PollingLoop(self.name, tracker, self.poll, budget.settings.max_interval, interrupt=poller.close)
+        self._ok = False  # the last poll succeeded: only then may the poll back off to a cross-check
+        self._holding = False  # backing off for the plugin's window since the last poll
+        self._keys: int | None = None  # keys in the last reply
+        self._last_poll, self._interval = -float("inf"), 0.0
+        self._loop = PollingLoop(self.name, tracker, self._turn, budget.settings.max_interval, interrupt=poller.close)
         tracker.register_source(
             self.name, stale_after=self.horizon(budget.settings.max_interval), watching=f"Ray cluster {poller.address}"
         )
@@ -374,6 +379,22 @@ class TQSource:
 
     def stop(self) -> None:
         self._loop.stop()
+
+    def _turn(self) -> float:
+        """One turn of the polling loop: poll if due, then the seconds until the next is due (re-decided on
+        waking: the plugin's window may have been renewed or gone stale meanwhile)."""
+        if self._delay() <= 0:
+            self._holding, self._ok = False, False
+            self._last_poll, self._interval = self._clock(), self.poll()
+        delay = self._delay()
+        if delay > 0 and self._ok and self._cross_checking() and not self._holding:
+            self._hold(self._interval)
+        return delay
+
+    def _delay(self) -> float:
+        cross_check = self.budget.settings.cross_check_interval if self._ok else 0.0  # a failure retries as usual
+        fed_until = self.tracker.window_fresh_until(FEEDER)
+        return poll_delay(self._clock(), self._last_poll, self._interval, fed_until, cross_check)
 
     def poll(self) -> float:
         """One poll; returns the seconds to wait before the next."""
@@ -388,12 +409,14 @@ class TQSource:
         self.budget.record(reading.cost)
         progress = self.tracker.progress()
         interval = self.budget.interval(self._clock(), reading.cost)
-        horizon = self.horizon(interval)
-        windows = windows_of(reading.compositions, progress.step, self._clock(), horizon)
+        cross_check = self._cross_checking()
+        # A cross-check's window is served like any poll's; the source stays up until the next cross-check.
+        effective = max(interval, self.budget.settings.cross_check_interval) if cross_check else interval
+        windows = windows_of(reading.compositions, progress.step, self._clock(), self.horizon(interval))
         self._maybe_hurry(progress.starts)
-        self._lost = False
-        self.tracker.observe_windows(windows, self._view(interval, reading.keys))
-        self.tracker.source_succeeded(self.name, time.monotonic() - started, stale_after=horizon)
+        self._lost, self._ok, self._keys = False, True, reading.keys
+        self.tracker.observe_windows(windows, self._view(effective, reading.keys, cross_check))
+        self.tracker.source_succeeded(self.name, time.monotonic() - started, stale_after=self.horizon(effective))
         return interval
 
     def kv_list_timeout(self) -> float:
@@ -424,7 +447,21 @@ class TQSource:
         self.tracker.source_failed(self.name, error_kind(err), f"{type(err).__name__}: {err}", duration=duration)
         return min(interval, self.budget.settings.max_interval)
 
-    def _view(self, interval: float, keys: int | None) -> TQPollView:
+    def _hold(self, interval: float) -> None:
+        """The poll backs off for the plugin's window: say so, and stay up until the cross-check is overdue."""
+        self._holding = True
+        cross_check = self.budget.settings.cross_check_interval
+        effective = max(interval, cross_check)
+        self.tracker.observe_windows((), self._view(effective, self._keys, cross_check=True))
+        self.tracker.source_expected(self.name, self.horizon(effective))
+        log.info("the verl plugin reports the window: kv_list only every %g s, as a cross-check", cross_check)
+
+    def _cross_checking(self) -> bool:
+        """The plugin's window is fresh and the poll may back off for it."""
+        fed_until = self.tracker.window_fresh_until(FEEDER)
+        return self.budget.settings.cross_check_interval > 0 and fed_until is not None and self._clock() < fed_until
+
+    def _view(self, interval: float, keys: int | None, cross_check: bool = False) -> TQPollView:
         return TQPollView(
             controller_id=self.controller_id,
             epochs=self._epochs,
@@ -432,4 +469,5 @@ class TQSource:
             busy_ratio=self.budget.busy_ratio(interval),
             reply_keys=keys,
             fast_until=self.budget.fast_until or None,
+            cross_check=cross_check,
         )
