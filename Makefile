@@ -9,7 +9,7 @@ TORCH_VERSION := 2.13.0
 CHECKOV_VENV := .venv-checkov
 CHECKOV_VERSION := 3.3.30
 
-.PHONY: demo test lint typecheck unit docs bench clean system-deps
+.PHONY: demo test lint typecheck unit docs bench fuzz soak clean system-deps
 
 $(BIN)/tqmon: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -60,9 +60,18 @@ bench: $(BIN)/tqmon
 	$(BIN)/python bench/bench_service.py
 	$(BIN)/python bench/bench_tq_poll.py
 	$(BIN)/python bench/bench_verl_plugin.py
+	$(BIN)/python bench/bench_startup.py
 	$(BIN)/python bench/bench_verl_share.py
 	$(BIN)/python bench/bench_checkpoint_read.py
 	$(BIN)/python bench/bench_image.py
+
+# The schemathesis run of the test suite with a 20x budget (tests/test_api_fuzz.py).
+fuzz: $(BIN)/tqmon
+	TQMON_FUZZ_EXAMPLES=2000 $(BIN)/pytest tests/test_api_fuzz.py -q
+
+# A compressed long run against the simulator (docs/reliability.md); a few minutes.
+soak: $(BIN)/tqmon system-deps
+	PYTHONPATH=. $(BIN)/python bench/soak.py  # reuses the tests' tqmon and Prometheus launchers
 
 clean:
 	rm -rf $(VENV) $(CHECKOV_VENV) .pytest_cache .mypy_cache .ruff_cache tqmon-state

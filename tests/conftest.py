@@ -35,10 +35,11 @@ class TqmonProcess:
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = state_dir.parent / f"tqmon-{self.port}.out"
         self.proc: subprocess.Popen[bytes] | None = None
+        self.wrap: list[str] = []  # a command tqmon runs under (e.g. a private mount namespace)
 
     def start(self, timeout: float = 20.0) -> TqmonProcess:
         command = [sys.executable, "-m", "tqmon.cli", "serve", "--listen", f"127.0.0.1:{self.port}"]
-        command += ["--state-dir", str(self.state_dir), *self.args]
+        command = [*self.wrap, *command, "--state-dir", str(self.state_dir), *self.args]
         with self.log_path.open("ab") as out:
             self.proc = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, **self.env})
         deadline = time.monotonic() + timeout

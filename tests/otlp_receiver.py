@@ -109,13 +109,7 @@ class OTLPReceiver:
             return [r for r in self.received if r.path == path]
 
     def wait_for(self, predicate: Callable[[], Any], timeout: float = 20.0, what: str = "") -> Any:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            result = predicate()
-            if result:
-                return result
-            time.sleep(0.05)
-        raise AssertionError(f"receiver: timed out waiting for {what or predicate}")
+        return wait_until(predicate, timeout, f"receiver: {what}")
 
     def log_records(self) -> list[tuple[dict[str, Any], Any]]:
         """(resource attributes, LogRecord) of every log record received, in order."""
@@ -147,3 +141,15 @@ def points(request: ExportMetricsServiceRequest) -> list[tuple[str, str, str, La
                     labels = frozenset((k, str(v)) for k, v in attributes(dp.attributes).items())
                     out.append((metric.name, metric.unit, kind, labels, value))
     return out
+
+
+def wait_until(predicate: Callable[[], Any], timeout: float = 20.0, what: str = "") -> Any:
+    """The first truthy result of ``predicate``, polled every 50 ms; an AssertionError naming ``what`` at the
+    timeout."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        result = predicate()
+        if result:
+            return result
+        time.sleep(0.05)
+    raise AssertionError(f"timed out waiting for {what or predicate}")

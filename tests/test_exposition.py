@@ -29,6 +29,7 @@ from tqmon.snapshot import (
     RunInfo,
     Snapshot,
     SourceHealth,
+    StateHealth,
     Tally,
     TQPollView,
     WindowView,
@@ -102,6 +103,7 @@ def full_snapshot(now: float = NOW) -> Snapshot:
             45, "checkpoint", {"pending": 1, "running": 1, "finished": 9, "failure": 1}, {"failure": 1}, 7
         ),
         sources=(
+            SourceHealth("checkpoint", False, now - 20, 0.003, "controller_state.pkl: refused", 100.0),
             SourceHealth("events", True, now - 10, 0.001, None, None),
             SourceHealth("log", True, now - 1, 0.0002, None, 30.0),
             SourceHealth("tq", True, now - 400, 0.05, None, 60.0),  # stale: reads down
@@ -111,8 +113,10 @@ def full_snapshot(now: float = NOW) -> Snapshot:
             Tally.EVENTS_REJECTED: {("malformed_json",): 2},
             Tally.LOG_LINES: {("event",): 12, ("ignored",): 30, ("malformed",): 1},
             Tally.SOURCE_ERRORS: {("log", "malformed_line"): 1, ("tq", "timeout"): 3},
+            Tally.PICKLE_REFUSALS: {("too_deep",): 1},
         },
         otlp=OTLPView({"metrics": 3, "logs": 1}, 2),
+        state=StateHealth(False, "state dir /var/lib/tqmon not writable (no_space)", (("no_space", 3),)),
     )
 
 
@@ -185,7 +189,14 @@ def test_unknown_values_are_omitted_not_zero() -> None:
         counters={},
     )
     names = {f.name for f in text_string_to_metric_families(generate_latest(registry_for(empty)).decode())}
-    assert names == {"tqmon_window_status", "tqmon_resumes", "tqmon_build_info", "tqmon_events_rejected"}
+    assert names == {
+        "tqmon_window_status",
+        "tqmon_resumes",
+        "tqmon_build_info",
+        "tqmon_events_rejected",
+        "tqmon_state_writable",
+        "tqmon_state_write_failures",
+    }
 
 
 def test_a_bare_total_is_exported_as_status_unknown_only() -> None:

@@ -122,13 +122,18 @@ def test_default_variant_has_no_ray_or_torch(image: str) -> None:
     assert result.stdout.strip() == "[]"
 
 
-def test_container_reads_a_verl_log_read_only_as_non_root(
-    image: str, volume: str, containers: list[Container], tmp_path: Path
-) -> None:
+def demo_log_mount(tmp_path: Path) -> str:
+    """A read-only mount holding the demo verl log as /logs/trainer.log."""
     logs = tmp_path / "logs"
     logs.mkdir()
     (logs / "trainer.log").write_bytes(DEMO_LOG.read_bytes())
-    container = Container(image, volume, "--log", "/logs/trainer.log", mounts=(f"{logs}:/logs:ro",))
+    return f"{logs}:/logs:ro"
+
+
+def test_container_reads_a_verl_log_read_only_as_non_root(
+    image: str, volume: str, containers: list[Container], tmp_path: Path
+) -> None:
+    container = Container(image, volume, "--log", "/logs/trainer.log", mounts=(demo_log_mount(tmp_path),))
     containers.append(container)
     container.wait_healthy()
     wait_for(lambda: sample_value(container.metrics(), "tqmon_resumes_total") == 2.0, "two resumes from the log")
@@ -163,10 +168,7 @@ def test_healthcheck_fails_when_tqmon_does_not_answer(image: str) -> None:
 def test_a_new_container_on_the_same_volume_keeps_the_history(
     image: str, volume: str, containers: list[Container], tmp_path: Path
 ) -> None:
-    logs = tmp_path / "logs"
-    logs.mkdir()
-    (logs / "trainer.log").write_bytes(DEMO_LOG.read_bytes())
-    first = Container(image, volume, "--log", "/logs/trainer.log", mounts=(f"{logs}:/logs:ro",))
+    first = Container(image, volume, "--log", "/logs/trainer.log", mounts=(demo_log_mount(tmp_path),))
     containers.append(first)
     first.wait_healthy()
     wait_for(lambda: first.status()["records_total"] == 3, "three start records")

@@ -26,7 +26,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from mixin import docs
 from tests.conftest import TqmonProcess, free_port
-from tests.otlp_receiver import Labels, OTLPReceiver, attributes, points
+from tests.otlp_receiver import Labels, OTLPReceiver, attributes, points, wait_until
 from tests.test_exposition import NOW, full_snapshot
 from tqmon import __version__
 from tqmon.catalog import CATALOG, MetricType
@@ -106,16 +106,6 @@ def otlp_series(request: Any) -> Series:
 
 def env(receiver: OTLPReceiver, **extra: str) -> dict[str, str]:
     return {"OTEL_METRIC_EXPORT_INTERVAL": INTERVAL_MS, "OTEL_EXPORTER_OTLP_TIMEOUT": "1000", **extra}
-
-
-def wait(predicate: Any, timeout: float = 20.0, what: str = "") -> Any:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        result = predicate()
-        if result:
-            return result
-        time.sleep(0.05)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 def metric_value(tqmon: TqmonProcess, name: str) -> float | None:
@@ -306,7 +296,7 @@ def test_a_real_resume_pushes_what_metrics_serves(
     write(log, FRESH + FLAGGED_RESUME, "w")
     args = ["--log", str(log), "--log-interval", "600", *TRAINER_FLAGS]
     tqmon = tqmon_factory([*args, "--otlp-endpoint", receiver.url], env=env(receiver)).start()
-    wait(lambda: metric_value(tqmon, "tqmon_resume_warmup_submitted_prompt_groups") == 1, what="the resume")
+    wait_until(lambda: metric_value(tqmon, "tqmon_resume_warmup_submitted_prompt_groups") == 1, what="the resume")
     # Its first step, as verl's plugin posts it (a --jsonl line would do the same, but needs a second poll).
     step = {
         "type": "step_completed",

@@ -64,7 +64,17 @@ class MetricSpec:
 SOURCES = tuple(source.value for source in SourceName)
 WINDOW_STATUSES = ("ok", "under_filled", "over_filled", "unknown")
 TRAINER_MODES = ("colocate_async", "separate_async", "sync", "unknown")
-REJECT_REASONS = ("malformed_json", "invalid_event", "unknown_type", "too_large", "unauthorized")
+REJECT_REASONS = (
+    "malformed_json",
+    "invalid_event",
+    "unknown_type",
+    "too_large",
+    "unauthorized",
+    "too_slow",
+    "state_unavailable",
+)
+PICKLE_REFUSAL_REASONS = ("forbidden_global", "oversized_length", "memo_index", "too_deep", "truncated", "malformed")
+STATE_WRITE_FAILURE_REASONS = ("read_only", "no_space", "missing", "io_error")
 SOURCE_ERROR_REASONS = ("read_error", "malformed_line", "timeout", "unavailable", "invalid_data", "too_large")
 EVENT_OUTCOMES = ("applied", "duplicate")
 LOG_LINE_OUTCOMES = ("event", "ignored", "malformed")
@@ -374,6 +384,28 @@ CATALOG: tuple[MetricSpec, ...] = (
         "Trainer log lines read: turned into an event, ignored (other output), or malformed (skipped).",
         "",
         (Label("outcome", LOG_LINE_OUTCOMES, "What happened to the line."),),
+    ),
+    MetricSpec(
+        "tqmon_checkpoint_pickle_refusals_total",
+        MetricType.COUNTER,
+        "controller_state.pkl files refused unread, by reason: a global outside the allowlist, a length past the "
+        "end of the file, a memo index with a gap, containers nested too deep, truncated or malformed; nothing runs.",
+        "",
+        (Label("reason", PICKLE_REFUSAL_REASONS, "Why the pickle was refused."),),
+    ),
+    # The state dir (docs/reliability.md).
+    MetricSpec(
+        "tqmon_state_writable",
+        MetricType.GAUGE,
+        "1 while the state dir takes writes; 0 while it refuses them (read-only, full, deleted): tqmon then "
+        "serves from memory and answers posted events 503.",
+    ),
+    MetricSpec(
+        "tqmon_state_write_failures_total",
+        MetricType.COUNTER,
+        "State dir writes refused, by reason; counted in memory since the disk is what failed.",
+        "",
+        (Label("reason", STATE_WRITE_FAILURE_REASONS, "read_only, no_space, missing or io_error."),),
     ),
     # OTLP push (only with --otlp-endpoint).
     MetricSpec(

@@ -57,13 +57,15 @@ def settings_options(cls: type, env_prefix: str = "") -> Callable[[FC], FC]:
             many = get_origin(hint) is tuple
             kinds = [arg for arg in (hint, *get_args(hint)) if arg is not type(None)]
             kwargs: dict[str, Any] = {"multiple": many, "metavar": spec.metadata.get("metavar")}
-            if get_origin(hint) is Literal:
+            if hint is bool:
+                kwargs = {"is_flag": True}  # off unless given
+            elif get_origin(hint) is Literal:
                 kwargs["type"] = click.Choice(get_args(hint))
             elif Path in kinds:
                 kwargs["type"] = click.Path(path_type=Path)  # ServiceConfig.validate says what is wrong, in one line
             else:
                 kwargs["type"] = str if many else next(k for k in kinds if isinstance(k, type))
-            if spec.default not in (None, ()):
+            if spec.default not in (None, (), False):
                 kwargs["show_default"] = True
             func = option(
                 "--" + name.replace("_", "-"),

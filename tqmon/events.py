@@ -12,11 +12,13 @@ from typing import Annotated, Any, Literal
 
 from pydantic import (
     BaseModel,
+    BeforeValidator,
     ConfigDict,
     Field,
     NonNegativeFloat,
     TypeAdapter,
     ValidationError,
+    WithJsonSchema,
     field_validator,
     model_validator,
 )
@@ -32,17 +34,34 @@ from tqmon.warmup import (
     TrainerMode,
 )
 
+
+def _json_number(value: object) -> object:
+    """Only a JSON number is a number: pydantic would otherwise read ``true`` as 1 and ``"8"`` as 8."""
+    if isinstance(value, bool | str | bytes):
+        raise ValueError("must be a JSON number")
+    return value
+
+
+# ``time`` takes unix seconds too, so the OpenAPI document says so (a number is not a schema violation).
+TIME_SCHEMA = {"anyOf": [{"type": "string", "format": "date-time"}, {"type": "number"}, {"type": "null"}]}
 # Counts and steps are bounded so every value stays exact as a Prometheus float (2**53).
-Count = Annotated[int, Field(ge=0, le=2**53)]
+Count = Annotated[int, BeforeValidator(_json_number), Field(ge=0, le=2**53)]
 EventId = Annotated[str, Field(min_length=1, max_length=200, description="Unique id; a repeated id is applied once.")]
 Status = PromptStatus
 
 
+def _type_required(schema: dict[str, Any]) -> None:
+    """The API dispatches on ``type``, so the OpenAPI document marks it required though the models default it."""
+    required = schema.setdefault("required", [])
+    if "type" not in required:
+        required.insert(0, "type")
+
+
 class _Event(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, json_schema_extra=_type_required)
 
     id: EventId
-    time: datetime | None = Field(
+    time: Annotated[datetime | None, WithJsonSchema(TIME_SCHEMA)] = Field(
         None, description="When it happened (ISO 8601 or unix seconds); defaults to when tqmon received it."
     )
 

@@ -584,7 +584,10 @@ class Reconciler:
 
     def apply(self, event: Event, source: str, received_at: float) -> None:
         at = event.timestamp(received_at)
-        self.trainer_last_event = at if self.trainer_last_event is None else max(self.trainer_last_event, at)
+        # Freshness is judged on the arrival time: a trainer clock running ahead of tqmon's must not make data
+        # look newer than its arrival (docs/reliability.md, clock skew). Evidence keeps the trainer's time.
+        seen = min(at, received_at)
+        self.trainer_last_event = seen if self.trainer_last_event is None else max(self.trainer_last_event, seen)
         self._event_time = trainer_time(event, source, received_at)
         evidence_of: Observed | None = None  # the start this event is evidence of
         match event:
@@ -661,7 +664,7 @@ class Reconciler:
             case CheckpointSaved():
                 self._saved(event, source, at)
             case WindowObserved():
-                self._observe_window(event, event.source_name(source), at)
+                self._observe_window(event, event.source_name(source), seen)
         if evidence_of is not None:
             evidence_of.evidence.append(Evidence(source, event.type, event.id, at, _describe(event)))
             self._rederive()

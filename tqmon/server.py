@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import errno
 import hmac
 import json
@@ -12,26 +13,29 @@ import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, fields
-from typing import Any
+from typing import Annotated, Any
 
 import uvicorn
 from fastapi import FastAPI, Query, Request
 from fastapi.openapi.utils import get_openapi
 from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse, Response
 from fastapi_offline import FastAPIOffline
-from pydantic import BaseModel, TypeAdapter, ValidationError
+from pydantic import BaseModel, Field, TypeAdapter, ValidationError
 
 from tqmon import __version__
 from tqmon.events import EVENT_TYPE_NAMES, Event, describe_validation
 from tqmon.exporters.html import render as render_status_page
 from tqmon.exporters.prometheus import render
+from tqmon.httpserver import BACKLOG, BODY_TIMEOUT_SECONDS, UVICORN_LIMITS, GuardedH11Protocol
 from tqmon.report import verdict
 from tqmon.rules import render as render_rules
 from tqmon.service import Service, ServiceConfig, StartupError
 from tqmon.snapshot import CheckpointView, ResumeRecord, RunInfo, Snapshot, SourceName, TQPollView, WindowView
+from tqmon.store import StateUnavailable
 
 EVENTS_ADAPTER: TypeAdapter[list[Event]] = TypeAdapter(list[Event])
-BODY_ADAPTER: TypeAdapter[Event | list[Event]] = TypeAdapter(Event | list[Event])
+Batch = Annotated[list[Event], Field(min_length=1)]  # an empty batch carries no event: 422
+BODY_ADAPTER: TypeAdapter[Event | list[Event]] = TypeAdapter(Event | Batch)
 
 
 class IngestResult(BaseModel):
@@ -52,13 +56,15 @@ class Health(BaseModel):
 
 
 READYZ_RULES = (
-    "200 when both hold, else 503: (1) at least one source has succeeded since tqmon started; (2) every "
+    "200 when all three hold, else 503: (1) at least one source has succeeded since tqmon started; (2) every "
     "configured source is up: its last look succeeded and, for a polled source, no longer ago than its horizon "
     "(log and jsonl: max(30 s, 10 x --log-interval); checkpoint: max(30 s, 10 x --checkpoint-interval); tq: "
-    "3 x its current poll interval + the kv_list timeout, at least 30 s). The event API is up while tqmon serves. "
+    "3 x its current poll interval + the kv_list timeout, at least 30 s); (3) the state dir takes writes (not "
+    "read-only, full or deleted). The event API is up while tqmon serves. "
     "A checkpoint dir where verl has saved no checkpoint yet is a state, not a failure: the checkpoint source is "
     "up and its series are absent until the first save. A --log or --jsonl file that does not exist yet keeps its "
-    "source down. `problems` names each down source with its last error, and 'no source has succeeded yet'."
+    "source down. `problems` names each down source with its last error, 'no source has succeeded yet', and "
+    "'state: ' with the state dir's error."
 )
 
 
@@ -195,7 +201,9 @@ def create_app(service: Service, clock: Callable[[], float] = time.time) -> Fast
         problems = [f"{s.source}: {s.last_error or 'stale'}" for s in snapshot.sources if not s.up(now)]
         if not any(s.last_success is not None for s in snapshot.sources):
             problems.append("no source has succeeded yet")
-        ready = snapshot.ready(now)
+        if not snapshot.state.writable:
+            problems.append(f"state: {snapshot.state.error}")
+        ready = snapshot.ready(now) and snapshot.state.writable
         body = Readiness(ready=ready, sources=sources, problems=problems)
         return JSONResponse(body.model_dump(), status_code=200 if ready else 503)
 
@@ -209,7 +217,14 @@ def create_app(service: Service, clock: Callable[[], float] = time.time) -> Fast
     @app.post(
         "/api/v1/events",
         response_model=IngestResult,
-        responses={400: {"model": Problem}, 401: {"model": Problem}, 413: {"model": Problem}, 422: {"model": Problem}},
+        responses={
+            400: {"model": Problem},
+            401: {"model": Problem},
+            408: {"model": Problem},
+            413: {"model": Problem},
+            422: {"model": Problem},
+            503: {"model": Problem},
+        },
         openapi_extra={
             "requestBody": {
                 "required": True,
@@ -227,10 +242,14 @@ def create_app(service: Service, clock: Callable[[], float] = time.time) -> Fast
         if declared is not None and declared.isdigit() and int(declared) > service.max_body_bytes:
             return _reject(service, 413, "too_large", f"body of {declared} bytes exceeds {service.max_body_bytes}")
         raw = bytearray()
-        async for chunk in request.stream():
-            raw += chunk
-            if len(raw) > service.max_body_bytes:
-                return _reject(service, 413, "too_large", f"body exceeds {service.max_body_bytes} bytes")
+        try:
+            async with asyncio.timeout(BODY_TIMEOUT_SECONDS):  # a slow body must not hold a request for ever
+                async for chunk in request.stream():
+                    raw += chunk
+                    if len(raw) > service.max_body_bytes:
+                        return _reject(service, 413, "too_large", f"body exceeds {service.max_body_bytes} bytes")
+        except TimeoutError:
+            return _reject(service, 408, "too_slow", f"body not received within {BODY_TIMEOUT_SECONDS:g} s")
         try:
             body = json.loads(raw)
         except (json.JSONDecodeError, UnicodeDecodeError) as err:
@@ -240,7 +259,7 @@ def create_app(service: Service, clock: Callable[[], float] = time.time) -> Fast
             return _reject(service, 422, "invalid_event", "body: an empty batch carries no event")
         for index, item in enumerate(items):
             kind = item.get("type") if isinstance(item, dict) else None
-            if kind not in EVENT_TYPE_NAMES:
+            if not isinstance(kind, str) or kind not in EVENT_TYPE_NAMES:  # a dict or list is unhashable
                 where = f"[{index}].type" if isinstance(body, list) else "type"
                 return _reject(
                     service, 422, "unknown_type", f"{where}: {kind!r} is not one of {sorted(EVENT_TYPE_NAMES)}"
@@ -250,7 +269,10 @@ def create_app(service: Service, clock: Callable[[], float] = time.time) -> Fast
         except ValidationError as err:
             return _reject(service, 422, "invalid_event", describe_validation(err, batch=isinstance(body, list)))
         started = time.monotonic()
-        applied, duplicates = service.tracker.ingest(events, SourceName.EVENTS)
+        try:
+            applied, duplicates = service.tracker.ingest(events, SourceName.EVENTS)
+        except StateUnavailable as err:  # never a 2xx for an event that is not on disk
+            return _reject(service, 503, "state_unavailable", str(err))
         service.tracker.source_succeeded(SourceName.EVENTS, time.monotonic() - started)
         result = IngestResult(accepted=len(events), applied=applied, duplicates=duplicates)
         return JSONResponse(result.model_dump())
@@ -288,7 +310,7 @@ def bind(host: str, port: int, resolved: Address) -> socket.socket:
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind(address)
-        sock.listen(2048)
+        sock.listen(BACKLOG)
     except OSError as err:
         sock.close()
         problem = {
@@ -315,5 +337,9 @@ def serve_forever(config: ServiceConfig) -> None:
         raise
     shown = f"[{host}]" if ":" in host else host
     print(f"tqmon {__version__} serving on http://{shown}:{port}/  (metrics: /metrics)", file=sys.stderr, flush=True)
-    server = uvicorn.Server(uvicorn.Config(create_app(service), log_level=config.log_level, access_log=False))
+    app = create_app(service)
+    settings = uvicorn.Config(
+        app, log_level=config.log_level, access_log=False, http=GuardedH11Protocol, **UVICORN_LIMITS
+    )
+    server = uvicorn.Server(settings)
     server.run(sockets=[sock])

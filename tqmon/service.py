@@ -15,11 +15,13 @@ from prometheus_client import CollectorRegistry
 from tqmon.binding import Identity, StateDirTaken, bind, run_identity
 from tqmon.exporters.prometheus import build_registry
 from tqmon.file_sd import FileSDError, file_sd_target
+from tqmon.retention import Retention, RetentionPolicy
 from tqmon.snapshot import Snapshot, SourceName
 from tqmon.sources.checkpoint import CheckpointSource
 from tqmon.sources.logfile import LogSource, parse_jsonl
 from tqmon.sources.polling import Source
 from tqmon.sources.tq import PollBudget, PollerProcess, PollSettings, TQSource
+from tqmon.statelock import StateError
 from tqmon.store import StateStore
 from tqmon.tracker import Tracker
 from tqmon.warmup import GivenConfig
@@ -65,6 +67,12 @@ class ServiceConfig:
         "Directory for the SQLite state (resume history, counters, log offsets); survives restarts.",
         metavar="DIR",
     )
+    recover: bool = _setting(
+        False,
+        "If the state file is corrupt or not tqmon's, move it aside (timestamped) and start empty, re-reading the "
+        "sources; without it tqmon refuses to start. See docs/reliability.md.",
+    )
+    retain: RetentionPolicy = field(default_factory=RetentionPolicy)  # the --retain-* flags
     log: tuple[str, ...] = _setting(
         (),
         "verl trainer log to follow like tail -F (repeatable, globs allowed; the env var is space-separated).",
@@ -165,6 +173,7 @@ class ServiceConfig:
             raise ConfigError(f"--tq-timeout must be positive, got {self.tq_timeout}")
         try:
             self.tq.validate()
+            self.retain.validate()
         except ValueError as err:
             raise ConfigError(str(err)) from None
 
@@ -188,7 +197,9 @@ class Service:
         self.token = config.token or None
         self.max_body_bytes = config.max_body_bytes
         try:
-            self.store = StateStore(config.state_dir)
+            self.store = StateStore(config.state_dir, exclusive=True, recover=config.recover)
+        except StateError as err:  # locked, corrupt, foreign or too new: the message names the way out
+            raise StartupError(str(err)) from None
         except (OSError, sqlite3.Error) as err:
             detail = err.strerror if isinstance(err, OSError) and err.strerror else str(err)
             raise StartupError(f"--state-dir {config.state_dir}: unusable: {detail}") from None
@@ -202,6 +213,7 @@ class Service:
         if replayed:
             log.info("restored %d events from %s", replayed, self.store.path)
         self.tracker.register_source(SourceName.EVENTS, stale_after=None)
+        self.retention = Retention(self.tracker, self.store, config.retain)
         self.log_source = (
             LogSource(config.log_patterns, self.tracker, interval=config.log_interval) if config.log_patterns else None
         )
@@ -247,6 +259,7 @@ class Service:
         return [source for source in candidates if source is not None]
 
     def start(self) -> None:
+        self.retention.start()
         for source in self.sources:
             source.start()
         if self.otlp is not None:
@@ -263,6 +276,7 @@ class Service:
             source.stop()
         if self.otlp is not None:
             self.otlp.stop()  # after the sources: the final flush carries their last word
+        self.retention.stop()
         self.store.close()
 
 

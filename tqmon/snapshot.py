@@ -29,6 +29,7 @@ class Tally(enum.StrEnum):
     EVENTS_REJECTED = "events_rejected"  # (reason,): an event API request turned away
     LOG_LINES = "log_lines"  # (event | ignored | malformed,): trainer log lines read
     SOURCE_ERRORS = "source_errors"  # (source, reason)
+    PICKLE_REFUSALS = "checkpoint_pickle_refusals"  # (reason,): a controller_state.pkl refused before unpickling
 
 
 @dataclass(frozen=True, slots=True)
@@ -173,6 +174,15 @@ class CheckpointView:
 
 
 @dataclass(frozen=True, slots=True)
+class StateHealth:
+    """The state dir as the last write found it; ``failures`` counts refused writes by reason."""
+
+    writable: bool = True
+    error: str | None = None
+    failures: tuple[tuple[str, int], ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
 class OTLPView:
     """The OTLP push exporter's delivery record; only present while ``--otlp-endpoint`` is on."""
 
@@ -200,6 +210,7 @@ class Snapshot:
     counters: Mapping[Tally, Mapping[tuple[str, ...], int]]  # label values -> value
     records: tuple[ResumeRecord, ...] = ()  # every start, oldest first (records_total of them)
     otlp: OTLPView | None = None  # set by the OTLP exporter on the snapshot it and /metrics render
+    state: StateHealth = StateHealth()  # the state dir; failures are the store's, counted in memory
 
     def fresh_until(self, window: WindowView) -> float:
         """When a window stops being served: frozen data is never served as fresh."""

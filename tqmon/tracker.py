@@ -18,7 +18,7 @@ from tqmon import __version__
 from tqmon.events import CheckpointSaved, Event, WindowObserved
 from tqmon.reconcile import Reconciler
 from tqmon.snapshot import Evidence, Snapshot, SourceHealth, SourceName, Tally, TQPollView, WindowView
-from tqmon.store import StateStore
+from tqmon.store import PRUNED_RESUMES, StateStore
 from tqmon.warmup import GivenConfig
 
 EPOCH_CURSOR = "tq:controller"
@@ -67,6 +67,7 @@ class Tracker:
         self._health: dict[str, _Health] = {}
         self._tq: TQPollView | None = None
         self._counters: dict[Tally, Counter[tuple[str, ...]]] = {tally: Counter() for tally in Tally}
+        self._pruned_resumes = 0  # resumes of the records retention dropped (still in tqmon_resumes_total)
         self._snapshot = self._build()
 
     # ---------------------------------------------------------------- reading
@@ -100,6 +101,7 @@ class Tracker:
             for stored in self._store.events():
                 self._state.apply(stored.event, stored.source, stored.received_at)
                 count += 1
+            self._pruned_resumes = self._store.meta(PRUNED_RESUMES)
             for (name, labels), value in self._store.counters().items():
                 if name in Tally.__members__.values():
                     self._counters[Tally(name)][tuple(labels.split("|"))] = value
@@ -136,9 +138,19 @@ class Tracker:
             return applied, len(events) - applied
 
     def reject(self, reason: str) -> None:
+        self.count(Tally.EVENTS_REJECTED, (reason,))
+
+    def count(self, tally: Tally, labels: tuple[str, ...], n: int = 1) -> None:
+        """Count what no event moves (a rejected request, a refused pickle), persisted like every tally."""
         with self._lock:
-            self._commit((), [(Tally.EVENTS_REJECTED, (reason,), 1)])
+            self._commit((), [(tally, labels, n)])
             self._publish()
+
+    def refresh_state(self) -> None:
+        """Republish when the state dir's health changed unprompted (a probe found the disk back)."""
+        with self._lock:
+            if self._store.health() != self._snapshot.state:
+                self._publish()
 
     def register_source(self, source: str, stale_after: float | None, *, watching: str | None = None) -> None:
         """Declare a source; ``stale_after=None`` marks a push source (the API), up while tqmon serves.
@@ -188,9 +200,7 @@ class Tracker:
 
     def source_error(self, source: str, reason: str, count: int = 1) -> None:
         """Count bad records (a malformed line) without marking the source down."""
-        with self._lock:
-            self._commit((), [(Tally.SOURCE_ERRORS, (source, reason), count)])
-            self._publish()
+        self.count(Tally.SOURCE_ERRORS, (source, reason), count)
 
     def observe_windows(self, windows: Sequence[WindowView], poll: TQPollView) -> None:
         """Live windows from a poll; not persisted (the next poll supersedes them)."""
@@ -288,7 +298,7 @@ class Tracker:
             trainer_step=state.trainer_step,
             trainer_last_event=state.trainer_last_event,
             trainer_step_seconds=state.step_seconds,
-            resumes_total=state.resumes,
+            resumes_total=state.resumes + self._pruned_resumes,
             records_total=len(state.records),
             last_record=state.records[-1] if state.records else None,
             checkpoint=state.checkpoint,
@@ -299,6 +309,7 @@ class Tracker:
             ),
             counters={tally: dict(values) for tally, values in self._counters.items()},
             records=tuple(state.records),
+            state=self._store.health(),
         )
 
 

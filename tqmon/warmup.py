@@ -13,7 +13,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Annotated, Literal, get_args
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
 
 TrainerMode = Literal["colocate_async", "separate_async", "sync"]
 TRAINER_MODES = frozenset(get_args(TrainerMode))
@@ -27,6 +27,18 @@ DOOM_REASONS: tuple[DoomReason, ...] = get_args(DoomReason)
 Partition = Literal["train", "val"]  # the TransferQueue partitions verl uses: training and validation
 PARTITIONS: tuple[Partition, ...] = get_args(Partition)
 SkipReason = Literal["window_full", "sync_mode", "skip_rollout_tq", "non_positive_warmup"]
+
+
+def _not_bool(value: object) -> object:
+    """``true`` is not a number, though pydantic would read it as 1. (A string may be: Hydra's ``oc.env``
+    interpolation resolves to one, and verl casts it by the field's type as pydantic does.)"""
+    if isinstance(value, bool):
+        raise ValueError("must be a number, not a boolean")
+    return value
+
+
+NOT_BOOL = BeforeValidator(_not_bool)  # on every numeric trainer setting
+MAX_SETTING = 2**53  # bounds the sizes so T (and every count derived from them) stays finite and exact
 
 
 class WarmupState(enum.StrEnum):
@@ -62,17 +74,22 @@ class TrainerConfig(BaseModel):
 
     train_batch_size: Annotated[
         int,
-        Field(gt=0, description="data.train_batch_size"),
+        Field(gt=0, le=MAX_SETTING, description="data.train_batch_size"),
+        NOT_BOOL,
         Verl("data.train_batch_size", "data.train_batch_size (B); needed for T."),
     ]
     gen_batch_size: Annotated[
         int | None,
-        Field(gt=0, description="data.gen_batch_size (async modes force 1)"),
+        Field(gt=0, le=MAX_SETTING, description="data.gen_batch_size (async modes force 1)"),
+        NOT_BOOL,
         Verl("data.gen_batch_size", "data.gen_batch_size (the async modes and DAPO force 1)."),
     ] = None
     num_warmup_batches: Annotated[
         float,
-        Field(description="trainer.v1.<mode>.num_warmup_batches (may be fractional)"),
+        Field(
+            le=MAX_SETTING, allow_inf_nan=False, description="trainer.v1.<mode>.num_warmup_batches (may be fractional)"
+        ),
+        NOT_BOOL,
         Verl(
             "trainer.v1.<mode>.num_warmup_batches",
             "trainer.v1.<mode>.num_warmup_batches (may be fractional); needed for T.",
@@ -80,12 +97,13 @@ class TrainerConfig(BaseModel):
     ]
     skip_rollout_tq: Annotated[
         bool,
-        Field(description="skip.rollout_tq.enable"),
+        Field(strict=True, description="skip.rollout_tq.enable"),  # 0 or "yes" is not a boolean
         Verl("skip.rollout_tq.enable", "skip.rollout_tq.enable (disables the warmup)."),
     ] = False
     max_off_policy_threshold: Annotated[
         int | None,
         Field(description="trainer.v1.sampler.max_off_policy_threshold"),
+        NOT_BOOL,
         Verl("trainer.v1.sampler.max_off_policy_threshold", "trainer.v1.sampler.max_off_policy_threshold, or 'null'."),
     ] = 8
     max_off_policy_strategy: Annotated[
@@ -98,7 +116,7 @@ class TrainerConfig(BaseModel):
     ] = "drop"
     filter_groups: Annotated[
         bool,
-        Field(description="algorithm.filter_groups.enable"),
+        Field(strict=True, description="algorithm.filter_groups.enable"),
         Verl("algorithm.filter_groups.enable", "algorithm.filter_groups.enable (DAPO)."),
     ] = False
     filter_groups_metric: Annotated[
@@ -112,7 +130,8 @@ class TrainerConfig(BaseModel):
     ] = None
     rollout_n: Annotated[
         int | None,
-        Field(gt=0, description="actor_rollout_ref.rollout.n"),
+        Field(gt=0, le=MAX_SETTING, description="actor_rollout_ref.rollout.n"),
+        NOT_BOOL,
         Verl(
             "actor_rollout_ref.rollout.n",
             "actor_rollout_ref.rollout.n: trajectories per prompt group; needed for the rollouts a resume wasted.",

@@ -20,8 +20,9 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+from tqmon.checkpoint.picklescan import PickleRefused, scan
 from tqmon.checkpoint.storage import FilterVerdicts, filter_verdicts, with_verdicts
-from tqmon.checkpoint.unpickler import CheckpointError, PartitionState, restricted_load
+from tqmon.checkpoint.unpickler import TRUNCATED, CheckpointError, PartitionState, restricted_load
 from tqmon.composition import EMPTY, Composition, CompositionError, Progress, ProgressFactory, compose
 from tqmon.events import CheckpointSaved
 
@@ -261,14 +262,19 @@ def read_checkpoint(
             st = os.fstat(handle.fileno())
             large = progress is not None and st.st_size >= LARGE_CHECKPOINT_BYTES
             factory = progress if large and progress is not None else _no_progress
+            scan(handle, st.st_size)  # sizes, memo and nesting checked before anything is built
+            handle.seek(0)
             with factory(f"reading {CONTROLLER_FILE}", st.st_size) as bar:
                 state = restricted_load(_ProgressReader(handle, bar) if large else handle)
+    except PickleRefused as err:
+        what = TRUNCATED if err.reason == "truncated" else f"refused before unpickling ({err.reason})"
+        raise CheckpointError("invalid_data", f"{path}: {what}: {err}", refusal=err.reason) from None
     except FileNotFoundError:
         raise CheckpointError("read_error", f"{path} does not exist (tq.load_checkpoint would fail)") from None
     except OSError as err:
         raise CheckpointError("read_error", f"{path}: {err.strerror or err}") from None
     except CheckpointError as err:
-        raise CheckpointError(err.reason, f"{path}: {err}") from None
+        raise CheckpointError(err.reason, f"{path}: {err}", err.refusal) from None
     try:
         keys = partition_keys(state)
         tags = {key: tag for key, _, tag in keys}

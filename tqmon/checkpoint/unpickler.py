@@ -15,11 +15,13 @@ from typing import Any, ClassVar, Protocol
 
 
 class CheckpointError(Exception):
-    """A checkpoint tqmon cannot read; ``reason`` is the source error reason it is counted under."""
+    """A checkpoint tqmon cannot read; ``reason`` is the source error reason it is counted under, ``refusal``
+    the pickle refusal reason (``catalog.PICKLE_REFUSAL_REASONS``) when the pickle itself was refused."""
 
-    def __init__(self, reason: str, message: str) -> None:
+    def __init__(self, reason: str, message: str, refusal: str | None = None) -> None:
         super().__init__(message)
         self.reason = reason
+        self.refusal = refusal
 
 
 class Readable(Protocol):
@@ -155,10 +157,14 @@ class RestrictedUnpickler(pickle.Unpickler):
                 "invalid_data",
                 f"refused global {module}.{name}: not part of a TransferQueue controller state "
                 "(the file is corrupt or hostile; nothing was executed)",
+                refusal="forbidden_global",
             ) from None
 
     def persistent_load(self, pid: Any) -> Any:
         raise CheckpointError("invalid_data", "refused persistent id: not part of a TransferQueue controller state")
+
+
+TRUNCATED = "truncated pickle (ended before its STOP opcode)"
 
 
 def restricted_load(handle: Readable) -> Any:
@@ -168,10 +174,11 @@ def restricted_load(handle: Readable) -> Any:
     except CheckpointError:
         raise
     except EOFError:
-        raise CheckpointError("invalid_data", "truncated pickle (ended before its STOP opcode)") from None
+        raise CheckpointError("invalid_data", TRUNCATED, refusal="truncated") from None
     except pickle.UnpicklingError as err:
         if "truncated" in str(err):
-            raise CheckpointError("invalid_data", "truncated pickle (ended before its STOP opcode)") from None
-        raise CheckpointError("invalid_data", f"not a valid pickle: {err}") from None
+            raise CheckpointError("invalid_data", TRUNCATED, refusal="truncated") from None
+        raise CheckpointError("invalid_data", f"not a valid pickle: {err}", refusal="malformed") from None
     except Exception as err:  # TypeError/ValueError/... from malformed opcodes or stand-ins fed garbage
-        raise CheckpointError("invalid_data", f"not a valid pickle: {type(err).__name__}: {err}") from None
+        message = f"not a valid pickle: {type(err).__name__}: {err}"
+        raise CheckpointError("invalid_data", message, refusal="malformed") from None

@@ -9,7 +9,7 @@ from collections import Counter
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 
-from tqmon.catalog import BY_NAME, OTLP_SIGNALS, MetricSpec
+from tqmon.catalog import BY_NAME, OTLP_SIGNALS, STATE_WRITE_FAILURE_REASONS, MetricSpec
 from tqmon.judge import QUANTITIES
 from tqmon.snapshot import ResumeRecord, Snapshot, SourceName, Tally
 from tqmon.warmup import PROMPT_STATUSES
@@ -21,6 +21,7 @@ TALLIES: dict[str, Tally] = {
     "tqmon_events_rejected_total": Tally.EVENTS_REJECTED,
     "tqmon_log_lines_total": Tally.LOG_LINES,
     "tqmon_source_errors_total": Tally.SOURCE_ERRORS,
+    "tqmon_checkpoint_pickle_refusals_total": Tally.PICKLE_REFUSALS,
 }
 
 
@@ -156,6 +157,8 @@ def metric_values(snapshot: Snapshot, now: float) -> Iterator[tuple[MetricSpec, 
         values[name] = _counter(BY_NAME[name], snapshot, sources)
     if SourceName.LOG not in sources:
         values.pop("tqmon_log_lines_total", None)
+    if SourceName.CHECKPOINT not in sources:
+        values.pop("tqmon_checkpoint_pickle_refusals_total", None)
     if snapshot.otlp is None:  # OTLP push is off
         values.pop("tqmon_otlp_export_failures_total", None)
     else:
@@ -165,6 +168,11 @@ def metric_values(snapshot: Snapshot, now: float) -> Iterator[tuple[MetricSpec, 
             ],
             "tqmon_otlp_log_records_dropped_total": [Series((), snapshot.otlp.dropped_log_records)],
         }
+    failures = dict(snapshot.state.failures)
+    values |= {
+        "tqmon_state_writable": [Series((), float(snapshot.state.writable))],
+        "tqmon_state_write_failures_total": [Series((r,), failures.get(r, 0)) for r in STATE_WRITE_FAILURE_REASONS],
+    }
 
     for spec in BY_NAME.values():
         series = values.get(spec.name)

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from tqmon.checkpoint.layout import LATEST_FILE, NoCheckpointYet, read_checkpoint, signature
 from tqmon.checkpoint.unpickler import CheckpointError
-from tqmon.snapshot import SourceName
+from tqmon.snapshot import SourceName, Tally
 from tqmon.sources.polling import PollingLoop
 from tqmon.tracker import Tracker
 
@@ -54,6 +54,8 @@ class CheckpointSource:
                 self.tracker.observe_checkpoint_dir(None)  # nothing saved (yet, or any more): no series
             except CheckpointError as err:
                 self._error = err
+                if err.refusal is not None:  # counted once per file version, like the read
+                    self.tracker.count(Tally.PICKLE_REFUSALS, (err.refusal,))
                 self.tracker.observe_checkpoint_dir(None)  # a deleted step or an unreadable file: no series
             else:
                 self._read_step = reading.step

@@ -191,14 +191,15 @@ class LogSource:
         if followed.generation:
             file_key += f".{followed.generation}"
         events, outcomes, errors = parse_chunk(lines, file_key, self.parse)
-        followed.offset = lines[-1][0]
-        cursor = {"inode": list(followed.inode), "offset": followed.offset, "generation": followed.generation}
+        end = lines[-1][0]
+        cursor = {"inode": list(followed.inode), "offset": end, "generation": followed.generation}
         self.tracker.ingest(
             events,
             self.name,
             cursors=[(self._cursor_key(followed.path), cursor)],
             log_lines=outcomes if self.name is SourceName.LOG else None,  # only the trainer log's lines are tallied
         )
+        followed.offset = end  # only once stored: a refused commit (state dir full) is read again next poll
         if errors:
             self.tracker.source_error(self.name, "malformed_line", len(errors))
             for message in errors[:5]:

@@ -157,6 +157,7 @@ class ControllerClient:
         self._loop = asyncio.new_event_loop()
         self._actor_id: str | None = None
         self._client: Any = None
+        self._lookup: tuple[str, Any] | None = None  # (actor id, ObjectRef) of a get_zmq_server_info in flight
         self.controller_id: str | None = None
 
     def connect(self) -> None:
@@ -192,12 +193,17 @@ class ControllerClient:
         if actor_id == self._actor_id:
             return False
         self.forget()
+        # One lookup at a time: a hung controller (SIGSTOP) is waited on again, never sent a second call.
+        if self._lookup is None or self._lookup[0] != actor_id:
+            self._lookup = (actor_id, handle.get_zmq_server_info.remote())
         try:
-            info: Any = ray.get(handle.get_zmq_server_info.remote(), timeout=self.timeout)
+            info: Any = ray.get(self._lookup[1], timeout=self.timeout)
         except ray.exceptions.GetTimeoutError:
             raise TimeoutError(f"controller did not answer get_zmq_server_info within {self.timeout:g}s") from None
         except ray.exceptions.RayError as err:
+            self._lookup = None
             raise TQUnavailable(f"controller lookup failed: {type(err).__name__}: {err}") from None
+        self._lookup = None
         from transfer_queue.client import AsyncTransferQueueClient
 
         # No storage manager: this client can list keys and tags, never read, write or clear data.
