@@ -717,6 +717,80 @@ def test_serve_without_config_counts_stale_groups_by_verl_defaults_and_marks_low
     )
 
 
+# ---------------------------------------------------------------- the checkpoint a resume actually loaded
+# Step 40 holds 3 pending, 2 running, 11 finished and 4 failed groups (R 20); step 45, the latest, holds 24.
+LOADED_40 = {"pending": 3, "running": 2, "finished": 11, "failure": 4}
+OLDER_RESUME_LOG = """\
+INFO:2026-11-28 22:00:00,000:Resuming from {folder}, setting global step to 40
+INFO:2026-11-28 22:00:01,000:Restored 20 training prompt groups from TransferQueue
+"""
+
+
+@pytest.mark.parametrize("where", ["older_step_in_the_dir", "resume_from_path_outside"])
+def test_serve_completes_a_resume_from_the_checkpoint_it_loaded_not_the_latest(
+    root: Path, tmp_path: Path, tqmon_factory: Any, where: str
+) -> None:
+    """The log gives only R; the split comes from the checkpoint the resume loaded, the preflight stays at 45."""
+    (root / "latest_checkpointed_iteration.txt").write_text("45")
+    folder = root / "global_step_40"
+    if where == "resume_from_path_outside":  # trainer.resume_from_path: not in the dir at all any more
+        folder = tmp_path / "elsewhere" / "global_step_40"
+        folder.parent.mkdir()
+        shutil.move(root / "global_step_40", folder)
+    log = tmp_path / "trainer.log"
+    log.write_text(OLDER_RESUME_LOG.format(folder=folder))
+    args = ["--checkpoint-dir", str(root), "--checkpoint-interval", "0.2", "--log", str(log), "--log-interval", "0.2"]
+    tqmon = tqmon_factory([*args, *CONFIG_FLAGS]).start()
+
+    deadline = time.monotonic() + 15
+    while time.monotonic() < deadline:
+        text: str = tqmon.metrics()
+        if value(text, "tqmon_resume_restored_prompt_groups", status="finished") is not None:
+            break
+        time.sleep(0.1)
+    split = {s: value(text, "tqmon_resume_restored_prompt_groups", status=s) for s in LOADED_40}
+    assert split == LOADED_40, text
+    assert value(text, "tqmon_resume_restored_prompt_groups", status="unknown") in (None, 0)
+    assert value(text, "tqmon_checkpoint_step") == 45  # the preflight view stays the directory's latest
+    assert value(text, "tqmon_checkpoint_prompt_groups", status="pending") == 7
+    assert value(text, "tqmon_source_up", source="checkpoint") == 1
+
+
+def test_loaded_checkpoint_without_a_named_folder_and_a_missing_one(root: Path) -> None:
+    """No folder named: global_step_N of the dir. A missing one is counted once, the source stays up."""
+    (root / "latest_checkpointed_iteration.txt").write_text("45")
+    tracker = Tracker(StateStore(None))
+    source = CheckpointSource(root, tracker)
+    tracker.ingest([parse_event({"id": "s", "type": "training_started", "resumed_from_step": 40})], "events")
+    assert tracker.wanted_checkpoint() == (40, None)
+    source.poll()
+    record = tracker.snapshot.last_record
+    assert record is not None and record.checkpoint_step == 40 and record.restored == 20
+    assert {s: n for s, n in (record.restored_by_status or {}).items() if n} == LOADED_40
+    assert tracker.wanted_checkpoint() is None
+    assert tracker.snapshot.checkpoint is not None and tracker.snapshot.checkpoint.step == 45
+
+    named = "/nowhere/global_step_40"
+    start = {"id": "s", "type": "training_started", "resumed_from_step": 40, "checkpoint_path": named}
+    mounted = Tracker(StateStore(None))  # the trainer's path is not visible here (mounted elsewhere): the dir's
+    mounted.ingest([parse_event(start)], "events")
+    CheckpointSource(root, mounted).poll()
+    record = mounted.snapshot.last_record
+    assert mounted.wanted_checkpoint() is None and record is not None and record.restored == 20
+
+    shutil.rmtree(root / "global_step_40")  # the named folder is missing, and so is the fallback
+    broken = Tracker(StateStore(None))
+    source = CheckpointSource(root, broken)
+    broken.ingest([parse_event(start)], "events")
+    source.poll()
+    source.poll()  # the same (missing) files: not read nor counted again
+    text = metrics(broken)
+    assert value(text, "tqmon_source_errors_total", source="checkpoint", reason="read_error") == 1
+    assert value(text, "tqmon_source_up", source="checkpoint") == 1
+    assert value(text, "tqmon_checkpoint_step") == 45
+    assert broken.wanted_checkpoint() == (40, named)
+
+
 # ---------------------------------------------------------------- DAPO verdicts from the storage units
 # Every trajectory above has rm_scores = three bfloat16 ones, so each finished group's "reward" (the summed
 # rm_scores) is 3.0 on both trajectories: zero variance. At step 41 with threshold 4, the 4 groups with

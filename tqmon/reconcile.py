@@ -85,6 +85,7 @@ class Observed:
     started_at: float
     run_id: str
     checkpoint_step: int | None = None
+    checkpoint_path: str | None = None  # the folder verl said it resumed from (``trainer.resume_from_path``)
     restored: int | None = None
     by_status: dict[str, int] | None = None
     groups: list[GroupCount] | None = None
@@ -560,6 +561,14 @@ class Reconciler:
         last = self.records[-1] if self.records else None
         return last.target if last is not None and last.target is not None else window_target(self.warmup_config)
 
+    def wanted_checkpoint(self) -> tuple[int, str | None] | None:
+        """The checkpoint the newest start resumed from while its composition is not known: its step and the
+        folder verl named (None: not named)."""
+        obs = self._observed
+        if obs is None or not obs.resumed or obs.checkpoint_step is None or obs.checkpoint_step in self._compositions:
+            return None
+        return obs.checkpoint_step, obs.checkpoint_path
+
     def observe_windows(self, windows: Iterable[WindowView]) -> None:
         """Live windows from a poller, each superseding its source's last view of the partition."""
         for window in windows:
@@ -608,6 +617,7 @@ class Reconciler:
                     at,
                     lambda o: o.resumed == resumed and (not o.decided or corroborates(o, source, event.type)),
                 )
+                evidence_of.checkpoint_path = evidence_of.checkpoint_path or event.checkpoint_path
                 if event.resumed_from_step is not None:
                     self.trainer_step = event.resumed_from_step
             case CheckpointRestored():

@@ -85,6 +85,12 @@ class Tracker:
         """Until when ``source`` has a fresh window, for a poller that backs off while another source feeds it."""
         return self._snapshot.window_fresh_until(source)
 
+    def wanted_checkpoint(self) -> tuple[int, str | None] | None:
+        """The step (and the folder, if the trainer named it) of the checkpoint the newest start resumed from,
+        while its composition is not known: for the checkpoint source to read it."""
+        with self._lock:
+            return self._state.wanted_checkpoint()
+
     def cursor(self, key: str) -> object | None:
         return self._store.cursor(key)
 

@@ -186,18 +186,19 @@ def step_dirs(root: Path, step: int, *, chosen: bool = False) -> tuple[Path, Pat
     return step_dir, None
 
 
-def signature(root: Path) -> tuple[object, ...]:
-    """Cheap fingerprint of what a read would see: changes when the latest file or the TQ files change."""
+def signature(root: Path, step: int | None = None) -> tuple[object, ...]:
+    """Cheap fingerprint of what a read would see: changes when the latest file or the TQ files change.
+
+    ``step``: of ``global_step_N`` itself (the latest file plays no part)."""
     parts: list[object] = []
-    for path in [root / LATEST_FILE]:
+    for path in [root / LATEST_FILE] if step is None else []:
         try:
             st = path.stat()
             parts.append((path.name, st.st_ino, st.st_size, st.st_mtime_ns))
         except OSError:
             parts.append((path.name, None))
     try:
-        step = latest_step(root)
-        step_dir, tq_dir = step_dirs(root, step)
+        step_dir, tq_dir = step_dirs(root, latest_step(root) if step is None else step)
     except CheckpointError:
         return tuple(parts)
     targets = [step_dir] if tq_dir is None else [tq_dir / METADATA_FILE, tq_dir / CONTROLLER_FILE]
