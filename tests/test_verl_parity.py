@@ -447,6 +447,11 @@ def test_tqmon_matches_verl(
     # verl's own log, its plugin, the checkpoint it saved and the config it reported agree on every quantity.
     assert record["disagreements"] == [], record["disagreements"]
     assert gauge(metrics, "tqmon_resume_source_disagreements", quantity="restored") == 0
+    # Only what two reports were given for has a verdict: R (the plugin's and the log's), K when verl logged its
+    # re-issue (the plugin always reports one); R's split comes from the plugin alone, so it has no series.
+    assert "restored" in record["compared"]
+    assert ("reissued" in record["compared"]) is bool(verl.reissued)
+    assert gauge(metrics, "tqmon_resume_source_disagreements", quantity="restored_pending") is None
     # No window lost: 0 after a resume (verl reported its restore); a fresh start has no cost, so no series.
     assert gauge(metrics, "tqmon_resume_lost_prompt_groups") == (0 if record["resumed"] else None)
     if not verl.logged:  # the warmup is off: verl defines no T, so nothing is over-restored or missing
