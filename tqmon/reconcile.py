@@ -69,6 +69,8 @@ from tqmon.warmup import (
 STEP_RATE_WINDOW = 10  # steps averaged for the step duration
 KEPT_COMPOSITIONS = 16  # checkpoint compositions kept for matching resumes to what they loaded
 RESTART_CLAIM_SECONDS = 600.0  # a restart hint and a start reported this close together are one restart
+INFERENCE = "inference"  # the source of evidence tqmon inferred rather than heard
+REISSUE_FOLLOWERS = ("warmup_decided", "step_completed")  # reports verl's re-issue line comes before
 
 _SKIP_STATES = {
     "sync_mode": WarmupState.SYNC_MODE,
@@ -213,6 +215,8 @@ def derive_record(
     if reissued is None and (not obs.resumed or obs.decided or obs.sealed):
         # verl re-issues before the warmup and logs nothing when there was nothing in flight.
         reissued, cleared = 0, 0
+        if obs.resumed:  # a fresh start has nothing to re-issue: no inference there
+            evidence = [*evidence, _inferred_reissue(obs)]
 
     judgement = _judge(obs, config, loaded, restored, submitted, semantics, doomed)
     by_status: dict[str, int] | None = None
@@ -327,6 +331,17 @@ def _judge(
         bounds = window_bounds(total, complete_doomed(loaded_doomed), total, added, terminal_groups(loaded_statuses))
         windows[CHECKPOINT_WINDOW] = (Claim(source, total, at, event.id), obs.first_window, bounds)
     return judge(claims, windows)
+
+
+def _inferred_reissue(obs: Observed) -> Evidence:
+    """Evidence for K = 0 and no cleared trajectories where no line says so: verl logs its re-issue before the
+    warmup decision, and nothing when nothing was in flight. It names the report the line did not precede."""
+    after = next((e for e in obs.evidence if e.event_type in REISSUE_FOLLOWERS), None)
+    inferred = "reissued_prompt_groups=0, cleared_trajectories=0: inferred from the absence of the re-issue line"
+    if after is None:
+        return Evidence(INFERENCE, "inflight_reissued", "", obs.started_at, inferred)
+    detail = f"{inferred} before {after.event_type} from {after.source}"
+    return Evidence(INFERENCE, "inflight_reissued", after.event_id, after.at, detail)
 
 
 def _nothing_lost(obs: Observed, keeps_window: bool) -> int | None:
