@@ -310,7 +310,8 @@ def _resume_row(builder: dashboard.Dashboard) -> dashboard.Dashboard:
             _stat(
                 "Sources that disagree",
                 "Quantities of the last start that two sources reported differently (log, plugin, checkpoint,"
-                " config, live window); /api/v1/status names them. See the TQMonResumeSourcesDisagree runbook.",
+                " config, live window); /api/v1/status names them. Total 0: every comparison agreed; no data:"
+                " nothing compared yet. See the TQMonResumeSourcesDisagree runbook.",
                 "none",
                 query(f"tqmon_resume_source_disagreements{{{SEL}}} > 0", "{{quantity}}"),
                 query(f"sum without (quantity) (tqmon_resume_source_disagreements{{{SEL}}})", "total"),

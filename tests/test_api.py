@@ -120,7 +120,8 @@ RESUME_RECORD: dict[str, Any] = {
     # The restore gave statuses, not the groups' steps: stale is unknown, so the deficit is a lower bound.
     "under_submitted_lower_bound": True,
     "assumed_defaults": [],
-    "disagreements": [],  # one source (the plugin): nothing to contradict
+    "disagreements": [],  # the plugin said R twice alike, and T and M as the config predicts them
+    "compared": ["restored", "target", "submitted"],  # K and the split only the plugin said; no window before the step
     # No trainer activity before this start and stale unknown: only the time to the first step is known,
     # from the warmup decision at T0 + 3 and the step's own 50 s; the restore was reported: no window lost.
     "cost": {

@@ -64,6 +64,7 @@ def full_snapshot(now: float = NOW) -> Snapshot:
         first_step_generation_wait_seconds=31.5,
         evidence=(Evidence("log", "checkpoint_restored", "log:1", now - 119, "restored_prompt_groups=9"),),
         disagreements=(Disagreement("reissued", (Claim("log", 3, now - 118), Claim("events", 2, now - 117)), "exact"),),
+        compared=("restored", "reissued", "target", "submitted"),
         cost=ResumeCost(
             steps_lost=3,
             downtime_seconds=95.0,
@@ -206,6 +207,26 @@ def test_a_bare_total_is_exported_as_status_unknown_only() -> None:
     text = generate_latest(registry_for(bare)).decode()
     lines = [line for line in text.splitlines() if line.startswith("tqmon_resume_restored_prompt_groups{")]
     assert lines == ['tqmon_resume_restored_prompt_groups{status="unknown"} 9.0']
+
+
+def test_a_disagreement_series_exists_only_for_a_quantity_that_was_compared() -> None:
+    """0 says two claims agreed; a quantity fewer than two claims were given for has no verdict, and no series."""
+    snapshot = full_snapshot()
+    assert snapshot.last_record is not None
+    texts = {}
+    for compared in (("target", "checkpoint_window"), ()):
+        record = replace(snapshot.last_record, compared=compared, disagreements=())
+        texts[compared] = generate_latest(registry_for(replace(snapshot, last_record=record))).decode()
+    samples = [
+        line
+        for line in texts[("target", "checkpoint_window")].splitlines()
+        if line.startswith("tqmon_resume_source_disagreements")
+    ]
+    assert samples == [
+        'tqmon_resume_source_disagreements{quantity="target"} 0.0',
+        'tqmon_resume_source_disagreements{quantity="checkpoint_window"} 0.0',
+    ]
+    assert "tqmon_resume_source_disagreements" not in texts[()]  # nothing compared: not even the family
 
 
 def test_content_negotiation() -> None:

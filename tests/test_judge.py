@@ -9,11 +9,14 @@ plus the batch of 4 the first step adds before it samples.
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 from click.testing import CliRunner
+from prometheus_client.exposition import generate_latest
 
+from tests.test_exposition import full_snapshot, registry_for
 from tqmon.cli import main
 from tqmon.events import CheckpointSaved, GroupCount, parse_event
 from tqmon.judge import Bounds, exact, has_tq_dir, window_bounds
@@ -194,9 +197,12 @@ def test_a_restore_line_or_verl_090_is_not_a_lost_window() -> None:
 
 
 def test_the_pure_pieces() -> None:
-    assert exact("k", [Claim("log", 3, 1.0), Claim("log", 4, 2.0), Claim("events", 3, 3.0)]) is None
-    assert window_bounds(12, None, 8, 4) == Bounds(4, 16)  # all restored groups may already be evicted
-    assert window_bounds(12, 2, 8, None) == Bounds(10, None)
+    assert exact("k", [Claim("log", 3, 1.0), Claim("events", 3, 2.0), Claim("log", 3, 3.0)]) is None
+    contradiction = exact("k", [Claim("log", 3, 1.0), Claim("events", 3, 2.0), Claim("log", 4, 3.0)])
+    assert contradiction is not None and [c.at for c in contradiction.claims] == [1.0, 2.0, 3.0]
+    assert window_bounds(12, None, 8, 4) == Bounds(4, 16)  # a bare total: all restored groups may be evicted
+    assert window_bounds(12, None, 8, 4, terminal=5) == Bounds(7, 16)  # only finished and failed ones
+    assert window_bounds(12, 2, 8, None, terminal=5) == Bounds(10, None)
     assert (has_tq_dir("/c/global_step_4/transfer_queue.old"), has_tq_dir("/c/global_step_4/"), has_tq_dir(None)) == (
         True,
         False,
@@ -271,3 +277,63 @@ def test_tqmon_inspect_says_a_checkpoint_without_its_tq_dir_loses_the_window(tmp
     headline = result.stdout.splitlines()[0]
     assert headline.endswith("of 8 — LOST WINDOW: no transfer_queue/ to restore, the warmup re-generates it all")
     assert "warmup M         8 (lost_window)" in result.stdout
+
+
+def test_with_dapo_unknown_the_first_sample_evicts_only_finished_and_failed_groups() -> None:
+    """DAPO on without its metric: how many finished groups it filters is unknown, but the first sample evicts
+    only finished and failed groups (5 of the 8 restored). A window of 6 after R + M = 12 lost pending or
+    running groups, which no eviction explains; the checkpoint window of 2 likewise (8 - 5 = 3 at least)."""
+    dapo = T12 | {"filter_groups": True}
+    after = fold(("checkpoint", checkpoint()), *log(*healthy_log(), window(1, 0, 5)), config=dapo)
+    [record] = after.records
+    assert record.doomed == {"failure": 0, "stale": 0}  # filtered unknown
+    assert said(record) == {"window_after_warmup": {"log R + M": 12, "log": 6}}
+    assert record.disagreements[0].tolerance == "allowed 7..16"
+    restored = fold(("checkpoint", checkpoint()), *log(*healthy_log()[:2]), ("tq", window(2)), config=dapo)
+    assert said(restored.records[0]) == {"checkpoint_window": {"checkpoint": 8, "tq": 2}}
+    healthy = fold(("checkpoint", checkpoint()), *log(*healthy_log(), window(4, 3, 0)), config=dapo)
+    assert healthy.records[0].disagreements == ()  # all 5 finished groups filtered away: 12 - 5 = 7 is allowed
+
+
+def test_a_source_contradicting_itself_is_a_disagreement() -> None:
+    """verl logs one count twice ("Restored 8 ..." then "... after restoring 9 of 12"): the log disagrees with
+    itself, whatever its first line said."""
+    state = fold(*log(*healthy_log()[:3], healthy_log(restored=9)[3]))
+    [record] = state.records
+    [disagreement] = record.disagreements
+    assert disagreement.quantity == "restored"
+    assert [(c.source, c.value) for c in disagreement.claims] == [("log", 8), ("log", 9)]
+    assert disagreement.describe() == "restored: log said 8; log said 9 (exact)"
+
+
+def test_only_quantities_two_claims_were_given_for_are_compared() -> None:
+    """The log alone says R twice and K once; the config predicts T and M: K, R's split and the live windows
+    were not compared, so they have no verdict (not a 0 that reads as agreement)."""
+    state = fold(*log(*healthy_log()))
+    [record] = state.records
+    assert record.compared == ("restored", "target", "submitted")
+    assert record.disagreements == ()
+    with_window = fold(("checkpoint", checkpoint()), *log(*healthy_log(), window(12)))
+    live = ("window_after_warmup", "checkpoint_window")
+    assert with_window.records[0].compared == ("restored", "target", "submitted", *live)
+
+
+def test_a_disagreement_once_found_falls_back_to_0_rather_than_vanishing() -> None:
+    """tqmon's flags said 5 warmup batches (T 20, M 12) where the trainer logged T 12 and M 4: both disagree.
+    The trainer's run_started, arriving late, turns the warmup off in the config, which then predicts neither:
+    nothing contradicts the log any more. The record keeps both quantities compared, so their series fall
+    back to 0 (an alert on them resolves on a value) rather than vanishing."""
+    state = fold(*log(*healthy_log()), config=T12 | {"num_warmup_batches": 5})
+    assert said(state.records[0]) == {"target": {"log": 12, "config": 20}, "submitted": {"log": 4, "config": 12}}
+    config = T12 | {"num_warmup_batches": 0}
+    run = ev("run_started", run_id="r", trainer_mode="colocate_async", verl_version="0.9.1", config=config)
+    state.apply(parse_event({"id": "run", **run}), "events", 1010.0)
+    [record] = state.records
+    assert (record.compared, record.disagreements) == (("restored", "target", "submitted"), ())
+    snapshot = replace(full_snapshot(), last_record=record)
+    text = generate_latest(registry_for(snapshot)).decode()
+    assert [line for line in text.splitlines() if line.startswith("tqmon_resume_source_disagreements")] == [
+        'tqmon_resume_source_disagreements{quantity="restored"} 0.0',
+        'tqmon_resume_source_disagreements{quantity="target"} 0.0',
+        'tqmon_resume_source_disagreements{quantity="submitted"} 0.0',
+    ]

@@ -277,3 +277,32 @@ def test_a_second_source_corroborates_rather_than_opening_a_new_start() -> None:
     assert len(state.records) == 1  # the plugin said what the log said: the same start
     state.apply(parse_event({"id": "log-again", **decided}), "log", 2001.0)
     assert len(state.records) == 2  # the log deciding twice is a second start
+
+
+def test_k_inferred_from_a_missing_re_issue_line_says_so_in_the_evidence() -> None:
+    """verl logs no re-issue when nothing was in flight: once its warmup decided without that line, K and the
+    cleared trajectories are 0 by inference, and the record's evidence names what they were inferred from.
+    Until then they are unknown; a reported re-issue is evidence of its own, not an inference."""
+    given = GivenConfig("colocate_async", TrainerConfig(**T12), "flags")
+    decision = {"target_prompt_groups": 12, "restored_prompt_groups": 9, "submitted_prompt_groups": 3}
+    events = resume(40, 9, **decision)
+    waiting = fold(events[:2], given).records[-1]
+    assert (waiting.reissued, waiting.cleared_trajectories) == (None, None)
+    assert [e.source for e in waiting.evidence] == ["log", "log"]
+
+    record = fold(events, given).records[-1]
+    assert (record.reissued, record.cleared_trajectories) == (0, 0)
+    inferred = record.evidence[-1]
+    assert (inferred.source, inferred.event_type, inferred.event_id, inferred.at) == (
+        "inference",
+        "inflight_reissued",
+        "e2",  # the warmup decision, before which verl would have logged its re-issue
+        1002.0,
+    )
+    assert inferred.detail == (
+        "reissued_prompt_groups=0, cleared_trajectories=0: inferred from the absence of the re-issue line"
+        " before warmup_decided from log"
+    )
+    reissue = ev("inflight_reissued", step=41, reissued_prompt_groups=0, cleared_trajectories=0)
+    reported = fold([*events[:2], reissue, events[2]], given).records[-1]
+    assert "inference" not in {e.source for e in reported.evidence}

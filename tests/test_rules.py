@@ -52,6 +52,11 @@ def stateset(name: str, current: str, values: str = "1x240", others: str = "0x24
     return {s(name, **{label: state}): values if state == current else others for state in states}
 
 
+# What a healthy resume watched through its log, checkpoint dir and TQ compares; the other quantities had one
+# report at most, so they have no verdict and no series.
+COMPARED = ("restored", "target", "submitted", "window_after_warmup", "checkpoint_window")
+
+
 def healthy() -> dict[str, str]:
     """Resumed at t=0 from step 40: R=88 of T=96, warmup submits the expected 8, the trainer steps every
     minute from 5m with a full window; sources are fresh (the push source last posted at t=0)."""
@@ -80,10 +85,7 @@ def healthy() -> dict[str, str]:
             for r in BY_NAME["tqmon_resume_doomed_prompt_groups"].labels[0].values or ()
         },
         **stateset("tqmon_resume_warmup_state", "topped_up"),
-        **{
-            s("tqmon_resume_source_disagreements", quantity=q): "0x240"
-            for q in BY_NAME["tqmon_resume_source_disagreements"].labels[0].values or ()
-        },
+        **{s("tqmon_resume_source_disagreements", quantity=q): "0x240" for q in COMPARED},
         **stateset("tqmon_window_status", "ok"),
         **{s("tqmon_source_up", source=src): "1x240" for src in (*LIVE_SOURCES, PUSH_SOURCE)},
         **{s("tqmon_source_last_success_timestamp_seconds", source=src): "0+60x240" for src in LIVE_SOURCES},
@@ -438,6 +440,43 @@ def test_alert_fires_on_its_fault_and_resolves(tmp_path: Path, case: Case) -> No
                 "eval_time": case.fires,
                 "exp_samples": [{"labels": "{}", "value": 1}],
             }
+        ],
+    )
+
+
+def test_a_quantity_is_silent_until_compared_and_its_alert_resolves_when_it_falls_back(tmp_path: Path) -> None:
+    """K is absent (one report, no verdict) until a second source reports it at 3m and contradicts the first;
+    the contradiction is gone at 14m, and the series falls back to 0 rather than vanishing: the alert fires
+    on the count and resolves on a value. A quantity never compared stays absent and silent."""
+    case = next(case for case in CASES if case.alert == "TQMonResumeSourcesDisagree")
+    reissued = s("tqmon_resume_source_disagreements", quantity="reissued")
+    fired = {
+        "exp_labels": {"alertname": case.alert, "severity": case.severity, **TARGET_LABELS, "quantity": "reissued"},
+        "exp_annotations": {
+            "summary": case.summary,
+            "description": case.description.replace("heard restored", "heard reissued"),
+            "runbook_url": f"{RUNBOOK}{case.alert}.md",
+            "dashboard_url": case.dashboard,
+        },
+    }
+    run_promtool_test(
+        tmp_path,
+        "absent-until-compared",
+        healthy() | {reissued: "_x3 1x10 0x226"},
+        alert_rule_test=[
+            {"eval_time": "2m", "alertname": case.alert, "exp_alerts": []},
+            {"eval_time": "5m", "alertname": case.alert, "exp_alerts": [fired]},
+            {"eval_time": "13m", "alertname": case.alert, "exp_alerts": [fired]},
+            {"eval_time": "14m", "alertname": case.alert, "exp_alerts": []},
+        ],
+        promql_expr_test=[
+            {"expr": reissued, "eval_time": "2m", "exp_samples": []},
+            {"expr": reissued, "eval_time": "20m", "exp_samples": [{"labels": reissued, "value": 0}]},
+            {
+                "expr": s("tqmon_resume_source_disagreements", quantity="restored_pending"),
+                "eval_time": "20m",
+                "exp_samples": [],
+            },
         ],
     )
 

@@ -109,6 +109,7 @@ class Expected:
     orphans: int
     trajectories: int
     counted: int | None = None  # R as the trainer logged it when it miscounts (None: the true R)
+    compared: tuple[str, ...] = ()  # the quantities two reports were compared on: the others have no series
     disagreements: dict[str, int] = field(default_factory=dict)  # quantity -> sources contradicting (else 0)
     lost: int | None = 0  # prompt groups of a lost window, as tqmon can tell (None: unknown)
     # the resume's cost: rollouts wasted = doomed x rollout.n (2), unknown while a doom reason is
@@ -142,7 +143,8 @@ class Expected:
         for state in STATES:
             s[_series("tqmon_resume_warmup_state", "state", state)] = float(state == self.state)
         for quantity in QUANTITIES:
-            s[_series("tqmon_resume_source_disagreements", "quantity", quantity)] = self.disagreements.get(quantity, 0)
+            compared = self.disagreements.get(quantity, 0) if quantity in self.compared else None
+            s[_series("tqmon_resume_source_disagreements", "quantity", quantity)] = compared
         s["tqmon_resume_lost_prompt_groups"] = self.lost
         return s
 
@@ -152,11 +154,18 @@ def _series(name: str, label: str, value: str) -> str:
 
 
 HEALTHY = by_status(0, 2, 6, 0)  # at global_step_2, with 8 orphans and 6*2 + 2 + 8 = 22 trajectories
+# What a verl 0.9.1 resume's log lets tqmon compare: R twice (its "Restored" line and its warmup line, which the
+# composition of the checkpoint it loaded joins), T and M against the config. K is logged once: no verdict.
+LOGGED = ("restored", "target", "submitted")
+# A replay buffer line ("pending: …") logged after the warmup decision and before the first step: the live
+# window against R + M and against the checkpoint's composition.
+WINDOWS = ("window_after_warmup", "checkpoint_window")
 NOTHING_DOOMED = doomed(0, 0, 0)  # no failures; stale needs 3 - g + 1 > 8
 
 EXPECTED: dict[str, Expected] = {
     # The common trace. Resume: K 2 (13, 15, clearing their early trajectory each), warmup max(0, 8 - 8) = 0.
     "healthy-resume": Expected(
+        compared=LOGGED,
         restored=by_status(0, 2, 6, 0),
         reissued=2,
         cleared=2,
@@ -182,6 +191,7 @@ EXPECTED: dict[str, Expected] = {
     ),
     # The common trace; at resume num_warmup_batches is 2.5: T = floor(2.5 * 4) = 10, M = 10 - 8 = 2.
     "partial-restore": Expected(
+        compared=LOGGED,
         restored=by_status(0, 2, 6, 0),
         reissued=2,
         cleared=2,
@@ -210,6 +220,7 @@ EXPECTED: dict[str, Expected] = {
     # global_step_2: 16-23 (g1) + 4 finished, 25,27,29,31 running: R 16, K 4; 8 groups * 2 orphans.
     # Resume with B 4: T 8, M 0, O 16 - 8 = 8.
     "over-restore": Expected(
+        compared=LOGGED,
         restored=by_status(0, 4, 12, 0),
         reissued=4,
         cleared=4,
@@ -239,6 +250,7 @@ EXPECTED: dict[str, Expected] = {
     # 17 failed: R 8, nothing in flight (K 0, no log line). The first sample at 3 evicts 17: under 1.
     # trajectories 7*2 + 1 + 8 orphans.
     "terminal-only": Expected(
+        compared=LOGGED,
         restored=by_status(0, 0, 7, 1),
         reissued=0,
         cleared=0,
@@ -269,6 +281,7 @@ EXPECTED: dict[str, Expected] = {
     # 16 failed, 15,17 running: R 8, K 2. At step 3 the g1 groups span 3 - 1 + 1 = 3 > 2: stale 4, failure 1;
     # under 8 - (8 - 5 + 0) = 5. trajectories 5*2 + 1 + 2 + 8 orphans.
     "doomed-mix": Expected(
+        compared=(*LOGGED, *WINDOWS),  # the first sample evicts 5 of the 6 terminal groups and waits, logging
         restored=by_status(0, 2, 5, 1),
         reissued=2,
         cleared=2,
@@ -298,6 +311,8 @@ EXPECTED: dict[str, Expected] = {
     # Step 4: 28-31 (g4); samples 12,14 (g2), 16,18; the tick finishes the odd g3 ones and 28,30.
     # global_step_4: 20-27 + 13,15 (g3), 28,30 finished, 29,31 running = 16 = 2T; orphans: the 8 restored
     # from global_step_2 plus the step-4 batch's 8; trajectories 14*2 + 2 + 16.
+    # Nothing is compared: 0.9.0 logs no R, its warmup line states neither T nor M, and without a restore report
+    # no live window counts. Every disagreement series is absent (it read 0, a false agreement, before).
     "legacy-double-warmup": Expected(
         restored=by_status(0, 2, 6, 0),
         reissued=2,
@@ -335,6 +350,7 @@ EXPECTED: dict[str, Expected] = {
     # after the decision (the first step finds 6 finished groups for its 4 without waiting), so only R disagrees
     # here; with a live TQ (tests/test_alerts_e2e.py) the window of 8 or 12 against R + M = 30 does too.
     "miscounted-restore": Expected(
+        compared=LOGGED,
         restored=by_status(0, 2, 6, 0),
         reissued=2,
         cleared=2,
@@ -366,6 +382,8 @@ EXPECTED: dict[str, Expected] = {
     # transfer_queue/). Its size is the last window logged before the restart, step 1's poll: warmup 0-7 and
     # batch 8-11, all pending = 12 (the 8 really held at global_step_2 were never logged).
     "no-tq-checkpoint": Expected(
+        # R 0 in the warmup line and in global_step_2's (empty) composition; the first sample waits, logging
+        compared=(*LOGGED, *WINDOWS),
         restored=by_status(0, 0, 0, 0),
         reissued=0,
         cleared=0,
@@ -395,6 +413,7 @@ EXPECTED: dict[str, Expected] = {
     # config says the warmup submits nothing (verl logs nothing); the first step's line after the resume
     # says the re-issue is over: verl logged none, so K = 0.
     "skip-rollout-tq": Expected(
+        compared=("restored", "checkpoint_window"),  # no warmup line; the first step waits, logging its window
         restored=by_status(0, 0, 0, 0),
         reissued=0,
         cleared=0,

@@ -324,6 +324,7 @@ def test_flagged_resume_in_chromium(tqmon_factory: Factory, tmp_path: Path) -> N
         "deficit-box": "≥ 4 lower bound",
         "deficit": "≥ 4",
         "deficit-kind": "lower bound",
+        "agreed": "restored, target, submitted",  # R said twice, T and M against the config
     }
     last = dom.find(id="last-start").text()
     assert "pending 2 · running 1 · finished 3 · failure 4" in last
@@ -395,6 +396,7 @@ def test_healthy_resume_in_chromium(tqmon_factory: Factory, tmp_path: Path) -> N
         "deficit-box": "0 exact",
         "deficit": "0",
         "deficit-kind": "exact",
+        "agreed": "restored, target, submitted",  # R said twice, T and M against the config
     }
     assert "failure 0 · stale 0 · filtered 0 (total 0)" in dom.find(id="last-start").text()
     window = dom.find(data_partition="train")
@@ -573,9 +575,11 @@ def test_a_lost_window_whose_sources_disagree_is_flagged_with_each_source() -> N
                 "window_after_warmup", (Claim("log R + M", 8, T1 - 29), Claim("tq", 3, T1 - 20)), "allowed 8..12"
             ),
         ),
+        compared=("restored", "target", "window_after_warmup"),
         cost=ResumeCost(lost_prompt_groups=12),
     )
     dom = parse(render(snapshot(record), T1))
+    assert dom.find(data_k="agreed").text() == "restored, target"  # K and M were not compared: not listed
     assert dom.find(data_k="verdict").text() == (
         "LOST WINDOW: resumed without transfer_queue/ (12 prompt groups lost, all re-generated); sources disagree:"
         " window_after_warmup: log R + M said 8; tq said 3 (allowed 8..12)"

@@ -447,6 +447,13 @@ def test_tqmon_matches_verl(
     # verl's own log, its plugin, the checkpoint it saved and the config it reported agree on every quantity.
     assert record["disagreements"] == [], record["disagreements"]
     assert gauge(metrics, "tqmon_resume_source_disagreements", quantity="restored") == 0
+    # Only what two reports were given for has a verdict: R (the plugin's and the log's), K when verl logged its
+    # re-issue (the plugin always reports one), R's split on a resume (the plugin's restore against the checkpoint
+    # it saved); a fresh start splits nothing, so its split has no series rather than a 0 that reads as agreement.
+    assert "restored" in record["compared"]
+    assert ("reissued" in record["compared"]) is bool(verl.reissued)
+    split = gauge(metrics, "tqmon_resume_source_disagreements", quantity="restored_pending")
+    assert split == (None if case.step is None else 0)
     # No window lost: 0 after a resume (verl reported its restore); a fresh start has no cost, so no series.
     assert gauge(metrics, "tqmon_resume_lost_prompt_groups") == (0 if record["resumed"] else None)
     if not verl.logged:  # the warmup is off: verl defines no T, so nothing is over-restored or missing

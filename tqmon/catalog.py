@@ -231,8 +231,9 @@ CATALOG: tuple[MetricSpec, ...] = (
     MetricSpec(
         "tqmon_resume_source_disagreements",
         MetricType.GAUGE,
-        "Sources that contradict each other about a quantity of the last start, beyond legitimate differences"
-        " (0: they agree or only one reported it); /api/v1/status names each source, its value and when.",
+        "Sources that contradict each other (or themselves) about a quantity of the last start, beyond legitimate"
+        " differences (0: they agree; absent: fewer than two reports to compare); /api/v1/status names each"
+        " source, its value and when.",
         "",
         (
             Label(

@@ -2,14 +2,15 @@
 
 Pure like :mod:`tqmon.reconcile`, which calls it from :func:`tqmon.reconcile.derive_record` (the one
 derivation serve, inspect and analyze share). Each source's value is a :class:`~tqmon.snapshot.Claim`; two
-sources disagree when their values differ beyond what the trainer's own timing explains: counts the
-trainer reports once (R, its split, K, T, M) must match exactly, while a live window is a moving target
-bounded by what the trainer may have added or evicted between the report and the poll.
+claims disagree when their values differ beyond what the trainer's own timing explains: counts the
+trainer reports once (R, its split, K, T, M) must match exactly, whichever sources (or the same one twice)
+gave them, while a live window is a moving target bounded by what the trainer may have added or evicted
+between the report and the poll. A quantity is compared only once two claims were given for it.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from tqmon.snapshot import Claim, Disagreement
@@ -39,24 +40,42 @@ class Bounds:
 
 
 def exact(quantity: str, claims: Sequence[Claim]) -> Disagreement | None:
-    """Each source's first claim; a disagreement when two sources gave different values."""
-    first: dict[str, Claim] = {}
+    """A disagreement when the claims give different values: two sources, or one source contradicting itself.
+
+    Each source counts once per value it gave, by its first claim of that value, so a source repeating
+    itself adds nothing and one stating two values shows both.
+    """
+    first: dict[tuple[str, int], Claim] = {}
     for claim in claims:
-        first.setdefault(claim.source, claim)
-    if len({claim.value for claim in first.values()}) <= 1:
+        first.setdefault((claim.source, claim.value), claim)
+    if len({value for _, value in first}) <= 1:
         return None
     return Disagreement(quantity, tuple(first.values()), "exact")
 
 
-def window_bounds(reported: int, doomed: int | None, restored: int, added: int | None) -> Bounds:
+def terminal_groups(statuses: Mapping[str, int] | None) -> int | None:
+    """The finished and failed groups of a split by status; None without a split.
+
+    The only groups the first sample can evict: verl's replay buffer evicts terminal groups alone, and
+    re-issues the pending and running ones, which keeps them in the window.
+    """
+    if statuses is None:
+        return None
+    return statuses.get("finished", 0) + statuses.get("failure", 0)
+
+
+def window_bounds(
+    reported: int, doomed: int | None, restored: int, added: int | None, terminal: int | None = None
+) -> Bounds:
     """Where a live window polled after ``reported`` groups were in place can legitimately be.
 
-    The first sample may already have evicted the doomed restored groups (all restored ones when the doomed
-    count is unknown), and the first step's ``prepare_step`` adds one generation batch before it samples;
-    re-issue keeps the group count. ``added`` is that batch plus anything still to be submitted.
+    The first sample may already have evicted the doomed restored groups; when their count is unknown, every
+    ``terminal`` one (finished or failed) of a known split, else every restored one. The first step's
+    ``prepare_step`` adds one generation batch before it samples; re-issue keeps the group count. ``added``
+    is that batch plus anything still to be submitted.
     """
-    evictable = restored if doomed is None else min(doomed, restored)
-    return Bounds(max(0, reported - evictable), None if added is None else reported + added)
+    evictable = next(n for n in (doomed, terminal, restored) if n is not None)
+    return Bounds(max(0, reported - min(evictable, restored)), None if added is None else reported + added)
 
 
 def within(quantity: str, reported: Claim, seen: Claim | None, bounds: Bounds) -> Disagreement | None:
@@ -74,13 +93,33 @@ def complete_doomed(*candidates: Mapping[str, int] | None) -> int | None:
     return None
 
 
+@dataclass(frozen=True, slots=True)
+class Judgement:
+    """What the judge compared for a start, and what it found."""
+
+    compared: tuple[str, ...]  # the quantities at least two claims were given for, in QUANTITIES order
+    disagreements: tuple[Disagreement, ...]
+
+
 def judge(
     claims: Mapping[str, Sequence[Claim]], windows: Mapping[str, tuple[Claim, Claim | None, Bounds]]
-) -> tuple[Disagreement, ...]:
-    """Every disagreement of a start: exact quantities first, then the live windows, in :data:`QUANTITIES` order."""
+) -> Judgement:
+    """Every comparison of a start: exact quantities first, then the live windows, in :data:`QUANTITIES` order.
+
+    A quantity one claim alone was given for (or a window not seen yet) is not compared: it has no verdict,
+    which is not the same as agreement.
+    """
     found = [exact(quantity, claims.get(quantity, ())) for quantity in EXACT_QUANTITIES]
     found += [within(quantity, *windows[quantity]) for quantity in QUANTITIES if quantity in windows]
-    return tuple(d for d in found if d is not None)
+    compared = {quantity for quantity in EXACT_QUANTITIES if len(claims.get(quantity, ())) > 1}
+    compared |= {quantity for quantity, (_, seen, _) in windows.items() if seen is not None}
+    return Judgement(in_order(compared), tuple(d for d in found if d is not None))
+
+
+def in_order(quantities: Iterable[str]) -> tuple[str, ...]:
+    """Quantities in :data:`QUANTITIES` order, each once."""
+    wanted = set(quantities)
+    return tuple(quantity for quantity in QUANTITIES if quantity in wanted)
 
 
 def has_tq_dir(path: str | None) -> bool | None:

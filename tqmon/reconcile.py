@@ -37,13 +37,16 @@ from tqmon.judge import (
     CONFIG_SOURCE,
     WINDOW_AFTER_WARMUP,
     Bounds,
+    Judgement,
     complete_doomed,
     has_tq_dir,
+    in_order,
     is_lost_window,
     judge,
+    terminal_groups,
     window_bounds,
 )
-from tqmon.snapshot import CheckpointView, Claim, Disagreement, Evidence, ResumeRecord, RunInfo, SourceName, WindowView
+from tqmon.snapshot import CheckpointView, Claim, Evidence, ResumeRecord, RunInfo, SourceName, WindowView
 from tqmon.warmup import (
     DOOM_REASONS,
     PROMPT_STATUSES,
@@ -66,6 +69,8 @@ from tqmon.warmup import (
 STEP_RATE_WINDOW = 10  # steps averaged for the step duration
 KEPT_COMPOSITIONS = 16  # checkpoint compositions kept for matching resumes to what they loaded
 RESTART_CLAIM_SECONDS = 600.0  # a restart hint and a start reported this close together are one restart
+INFERENCE = "inference"  # the source of evidence tqmon inferred rather than heard
+REISSUE_FOLLOWERS = ("warmup_decided", "step_completed")  # reports verl's re-issue line comes before
 
 _SKIP_STATES = {
     "sync_mode": WarmupState.SYNC_MODE,
@@ -210,7 +215,10 @@ def derive_record(
     if reissued is None and (not obs.resumed or obs.decided or obs.sealed):
         # verl re-issues before the warmup and logs nothing when there was nothing in flight.
         reissued, cleared = 0, 0
+        if obs.resumed:  # a fresh start has nothing to re-issue: no inference there
+            evidence = [*evidence, _inferred_reissue(obs)]
 
+    judgement = _judge(obs, config, loaded, restored, submitted, semantics, doomed)
     by_status: dict[str, int] | None = None
     if obs.by_status is not None:
         by_status = dict(obs.by_status)
@@ -242,7 +250,8 @@ def derive_record(
         first_step_evictions=obs.first_step_evictions,
         first_step_generation_wait_seconds=obs.first_step_wait,
         evidence=tuple(evidence),
-        disagreements=_disagreements(obs, config, loaded, restored, submitted, semantics, doomed),
+        disagreements=judgement.disagreements,
+        compared=judgement.compared,
         cost=resume_cost(
             CostInputs(
                 checkpoint_step=obs.checkpoint_step,
@@ -285,7 +294,7 @@ def _composition_claims(loaded: Composition) -> dict[str, list[Claim]]:
     return claims | {"restored": [Claim(source, sum(statuses.values()), at, event.id)]}
 
 
-def _disagreements(
+def _judge(
     obs: Observed,
     config: WarmupConfig | None,
     loaded: Composition | None,
@@ -293,8 +302,9 @@ def _disagreements(
     submitted: int | None,
     semantics: str,
     doomed: Mapping[str, int] | None,
-) -> tuple[Disagreement, ...]:
-    """Where the sources of this start contradict each other (see :mod:`tqmon.judge`)."""
+) -> Judgement:
+    """What the sources of this start were compared on, and where they contradict each other (see
+    :mod:`tqmon.judge`)."""
     claims = {quantity: list(said) for quantity, said in obs.claims.items()}
     if semantics != "verl-0.9.0":  # 0.9.0 warms up whole batches whatever the config says of M
         for quantity, said in _config_claims(obs, config, restored).items():
@@ -306,18 +316,32 @@ def _disagreements(
     batch = config.train_batch_size if config is not None else None  # what prepare_step adds before sampling
     windows: dict[str, tuple[Claim, Claim | None, Bounds]] = {}
     loaded_doomed = checkpoint_doomed(loaded[0], config) if loaded is not None else None
+    loaded_statuses = loaded[0].status_counts() if loaded is not None else None
     if restored is not None and submitted is not None and obs.decided_at is not None:
         source = obs.claims["submitted"][0].source if obs.claims.get("submitted") else CONFIG_SOURCE
         reported = Claim(f"{source} R + M", restored + submitted, obs.decided_at)
-        bounds = window_bounds(reported.value, complete_doomed(doomed, loaded_doomed), restored, batch)
+        split = status_counts(obs.by_status, obs.groups)  # else the loaded checkpoint's, as for the doomed
+        terminal = terminal_groups(split if split is not None else loaded_statuses)
+        bounds = window_bounds(reported.value, complete_doomed(doomed, loaded_doomed), restored, batch, terminal)
         windows[WINDOW_AFTER_WARMUP] = (reported, obs.window_after_decision, bounds)
     if loaded is not None and obs.resumed and restores_tq(config):
         event, source, at = loaded
-        total = sum((event.status_counts() or {}).values())
+        total = sum((loaded_statuses or {}).values())
         added = None if batch is None or submitted is None else batch + submitted
-        bounds = window_bounds(total, complete_doomed(loaded_doomed), total, added)
+        bounds = window_bounds(total, complete_doomed(loaded_doomed), total, added, terminal_groups(loaded_statuses))
         windows[CHECKPOINT_WINDOW] = (Claim(source, total, at, event.id), obs.first_window, bounds)
     return judge(claims, windows)
+
+
+def _inferred_reissue(obs: Observed) -> Evidence:
+    """Evidence for K = 0 and no cleared trajectories where no line says so: verl logs its re-issue before the
+    warmup decision, and nothing when nothing was in flight. It names the report the line did not precede."""
+    after = next((e for e in obs.evidence if e.event_type in REISSUE_FOLLOWERS), None)
+    inferred = "reissued_prompt_groups=0, cleared_trajectories=0: inferred from the absence of the re-issue line"
+    if after is None:
+        return Evidence(INFERENCE, "inflight_reissued", "", obs.started_at, inferred)
+    detail = f"{inferred} before {after.event_type} from {after.source}"
+    return Evidence(INFERENCE, "inflight_reissued", after.event_id, after.at, detail)
 
 
 def _nothing_lost(obs: Observed, keeps_window: bool) -> int | None:
@@ -794,7 +818,11 @@ class Reconciler:
         saved = self._compositions.get(obs.checkpoint_step) if obs.checkpoint_step is not None else None
         completed = with_checkpoint(obs, saved, self.warmup_config)
         version = self.run.verl_version if self.run else ""
-        return derive_record(completed, self.warmup_config, previous, version, saved, self._before(obs.checkpoint_step))
+        before = self._before(obs.checkpoint_step)
+        record = derive_record(completed, self.warmup_config, previous, version, saved, before)
+        if obs.index < len(self.records):  # once compared, a quantity keeps its verdict: its series falls back to 0
+            record = replace(record, compared=in_order([*self.records[obs.index].compared, *record.compared]))
+        return record
 
     def _before(self, step: int | None) -> Composition | None:
         """The newest composition with TQ state saved before ``step``: what a lost window held at best."""

@@ -95,6 +95,8 @@ class ResumeRecord:
     # verl defaults assumed for settings no config gave (``setting=value``), where they decided a number.
     assumed_defaults: tuple[str, ...] = ()
     disagreements: tuple[Disagreement, ...] = ()  # sources that contradict each other about this start
+    # The quantities two claims were ever given for (tqmon.judge.QUANTITIES order); only these have a verdict.
+    compared: tuple[str, ...] = ()
     cost: ResumeCost = field(default_factory=ResumeCost)  # what the resume cost; all unknown for a fresh start
 
     def to_json(self) -> dict[str, Any]:

@@ -266,6 +266,10 @@ def _story(record: ResumeRecord) -> str:
             f"<b class='flag'>Its checkpoint held no transfer_queue/</b>: the saved window was lost ({lost} prompt"
             " groups) and the warmup re-generated it."
         )
+    disagreed = {disagreement.quantity for disagreement in record.disagreements}
+    agreed = [quantity for quantity in record.compared if quantity not in disagreed]
+    if agreed:  # a quantity not compared is not listed: one report alone is no agreement
+        lines.append(f"Sources agree on <span data-k='agreed'>{_e(', '.join(agreed))}</span>.")
     for disagreement in record.disagreements:
         said = ", ".join(f"{_e(c.source)} said {_e(c.value)} ({_utc(c.at)})" for c in disagreement.claims)
         lines.append(

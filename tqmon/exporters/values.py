@@ -10,7 +10,6 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 
 from tqmon.catalog import BY_NAME, OTLP_SIGNALS, STATE_WRITE_FAILURE_REASONS, MetricSpec
-from tqmon.judge import QUANTITIES
 from tqmon.snapshot import ResumeRecord, Snapshot, SourceName, Tally
 from tqmon.warmup import PROMPT_STATUSES
 
@@ -55,9 +54,12 @@ def _opt(value: float | None) -> list[Series]:
 
 
 def _disagreements(record: ResumeRecord) -> list[Series]:
-    """Every quantity, 0 where the sources agree: an alert must see the count fall back, not vanish."""
+    """Each quantity the start's claims were compared on, 0 where they agree; one never compared has no verdict.
+
+    A record keeps a quantity once compared, so an alert sees its count fall back rather than vanish.
+    """
     found = Counter(d.quantity for d in record.disagreements)
-    return [Series((quantity,), found[quantity]) for quantity in QUANTITIES]
+    return [Series((quantity,), found[quantity]) for quantity in record.compared]
 
 
 def _counter(spec: MetricSpec, snapshot: Snapshot, sources: tuple[str, ...]) -> list[Series]:
