@@ -134,13 +134,15 @@ def test_waits_for_a_controller_reads_the_window_and_follows_loss_and_return(
     tq = tq_init()
     first = controller_id()
     fill_window(tq)
-    text = wait_for(proc, lambda t: value(t, "tqmon_tq_reply_keys") == 8 + 11 + 1)
+    # kv_batch_put registers its keys before it sets their tags, so a poll can land in between: wait for
+    # the poll that saw the last put (the val prompt) tagged.
+    val_pending = 'tqmon_window_prompt_groups{partition="val",status="pending"}'
+    text = wait_for(proc, lambda t: value(t, "tqmon_tq_reply_keys") == 8 + 11 + 1 and value(t, val_pending) == 1)
     assert value(text, 'tqmon_source_up{source="tq"}') == 1
     assert {
         s: value(text, f'tqmon_window_prompt_groups{{{TRAIN},status="{s}"}}')
         for s in ("pending", "running", "finished", "failure")
     } == {"pending": 2, "running": 1, "finished": 4, "failure": 1}
-    assert value(text, 'tqmon_window_prompt_groups{partition="val",status="pending"}') == 1
     assert value(text, f"tqmon_window_trajectories{{{TRAIN}}}") == 11
     assert value(text, f"tqmon_window_orphan_trajectories{{{TRAIN}}}") == 2
     assert value(text, 'tqmon_window_orphan_trajectories{partition="val"}') == 0
