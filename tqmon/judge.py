@@ -1,6 +1,6 @@
 """Judges what the sources said about one start: where they contradict each other, and whether its window was lost.
 
-Pure like :mod:`tqmon.reconcile`, which calls it from :func:`tqmon.reconcile.derive_record` (the one
+Pure like :mod:`tqmon.derivation`, which calls it from :func:`tqmon.derivation.derive_record` (the one
 derivation serve, inspect and analyze share). Each source's value is a :class:`~tqmon.snapshot.Claim`; two
 claims disagree when their values differ beyond what the trainer's own timing explains: counts the
 trainer reports once (R, its split, K, T, M) must match exactly, whichever sources (or the same one twice)

@@ -7,6 +7,7 @@ verl 0.9.1 line for line, so tqmon's expected numbers are verl's numbers. No I/O
 from __future__ import annotations
 
 import enum
+import json
 import math
 import re
 from collections.abc import Iterable, Mapping, Sequence
@@ -185,6 +186,47 @@ def target_window(config: WarmupConfig) -> int:
         return 0
     gbs = config.effective_gen_batch_size
     return math.floor(config.num_warmup_batches * config.train_batch_size / gbs) * gbs
+
+
+# verl 0.9.1's defaults for the settings that decide evictions (ppo_trainer.yaml: max_off_policy_threshold 8,
+# max_off_policy_strategy drop, algorithm.filter_groups.enable False). T's settings are placeholders that the
+# doom classification never reads.
+VERL_EVICTION_DEFAULTS = WarmupConfig(trainer_mode="colocate_async", train_batch_size=1, num_warmup_batches=0)
+EVICTION_SETTINGS = ("max_off_policy_threshold", "max_off_policy_strategy", "filter_groups")
+
+
+def eviction_rules(config: WarmupConfig | None, per_group: bool) -> tuple[WarmupConfig, tuple[str, ...]]:
+    """The config that decides which restored groups are doomed, and the verl defaults it assumed (named
+    ``setting=value``): without the trainer config, verl's defaults make filtered computable, and stale too
+    when the groups' steps (``per_group``) are known."""
+    if config is not None:
+        return config, ()
+    defaults = VERL_EVICTION_DEFAULTS.model_dump()
+    used = EVICTION_SETTINGS if per_group else ("filter_groups",)
+    return VERL_EVICTION_DEFAULTS, tuple(f"{name}={_setting(defaults[name])}" for name in used)
+
+
+def _setting(value: object) -> str:
+    """A setting's value as verl's YAML writes it (``false``, ``null``, ``drop``)."""
+    return json.dumps(value) if value is None or isinstance(value, bool) else str(value)
+
+
+def restores_tq(config: WarmupConfig | None) -> bool:
+    """verl loads TransferQueue state on a resume in the async modes only (sync mode keeps no window)."""
+    return config is None or config.trainer_mode != "sync"
+
+
+def window_target(config: WarmupConfig | None) -> int | None:
+    """T, or None where verl defines none: its warmup returns before computing one when ``skip.rollout_tq``
+    is on (it replays cached rollouts) or ``num_warmup_batches <= 0``. Sync mode keeps no window, and
+    verl's warmup counts its T as 0 there."""
+    if config is None:
+        return None
+    if not restores_tq(config):
+        return 0
+    if config.skip_rollout_tq or config.num_warmup_batches <= 0:
+        return None
+    return target_window(config)
 
 
 @dataclass(frozen=True, slots=True)

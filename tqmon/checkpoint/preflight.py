@@ -9,7 +9,7 @@ from typing import Any
 
 from tqmon.checkpoint.layout import LATEST_FILE, STEP_DIR, TQ_DIR, CheckpointReading
 from tqmon.checkpoint.storage import FilterVerdicts
-from tqmon.reconcile import predict_resume
+from tqmon.derivation import predict_resume
 from tqmon.report import deficit
 from tqmon.snapshot import ResumeRecord
 from tqmon.warmup import DOOM_REASONS, WarmupConfig, WarmupState, is_stale
