@@ -29,7 +29,7 @@ from tqmon.events import (
 )
 from tqmon.judge import has_tq_dir, in_order
 from tqmon.snapshot import CheckpointView, Claim, Evidence, ResumeRecord, RunInfo, SourceName, WindowView
-from tqmon.warmup import DOOM_REASONS, GivenConfig, TrainerConfig, WarmupConfig, eviction_rules, window_target
+from tqmon.warmup import DOOM_REASONS, TRAIN, GivenConfig, TrainerConfig, WarmupConfig, eviction_rules, window_target
 
 STEP_RATE_WINDOW = 10  # steps averaged for the step duration
 KEPT_COMPOSITIONS = 16  # checkpoint compositions kept for matching resumes to what they loaded
@@ -227,7 +227,7 @@ class Reconciler:
         """The newest view of its (source, partition); the open start also keeps the train windows the judge
         compares with what was reported, and the last one stays for a lost window's size after a restart."""
         self.windows[(window.source, window.partition)] = window
-        if window.partition != "train":
+        if window.partition != TRAIN:
             return
         seen = Claim(window.source, window.total, window.observed_at, event_id)
         self._last_train_window = seen

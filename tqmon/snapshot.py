@@ -8,7 +8,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from tqmon.cost import ResumeCost
-from tqmon.warmup import WarmupState
+from tqmon.warmup import TRAIN, WarmupState
 
 
 class SourceName(enum.StrEnum):
@@ -232,8 +232,12 @@ class Snapshot:
         """Until when ``source`` has a fresh window (the TQ poll backs off while the plugin's is); None: none yet."""
         return max((self.fresh_until(w) for w in self.windows if w.source == source), default=None)
 
+    def train_window(self, now: float) -> WindowView | None:
+        """The prefetch window served now (the train partition's fresh window), if any."""
+        return next((w for w in self.fresh_windows(now) if w.partition == TRAIN), None)
+
     def window_status(self, now: float) -> str:
-        train = next((w for w in self.fresh_windows(now) if w.partition == "train"), None)
+        train = self.train_window(now)
         if train is None or self.target_window is None:
             return "unknown"
         if train.total < self.target_window:

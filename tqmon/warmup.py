@@ -27,6 +27,8 @@ DoomReason = Literal["failure", "stale", "filtered"]
 DOOM_REASONS: tuple[DoomReason, ...] = get_args(DoomReason)
 Partition = Literal["train", "val"]  # the TransferQueue partitions verl uses: training and validation
 PARTITIONS: tuple[Partition, ...] = get_args(Partition)
+TRAIN: Partition = "train"  # the partition of the prefetch window; the only one the warmup fills
+TQ_DIR = "transfer_queue"  # the folder of a checkpoint that holds TransferQueue's state
 SkipReason = Literal["window_full", "sync_mode", "skip_rollout_tq", "non_positive_warmup"]
 
 
@@ -405,9 +407,15 @@ def is_zero_variance(values: Sequence[float]) -> bool:
     return all((v - mean) * (v - mean) == 0.0 for v in values)
 
 
+def unknown_doom_reasons(doomed: Mapping[str, int] | None) -> list[DoomReason]:
+    """The doom reasons not known (each counts as 0), in verl's order; all of them when none is known."""
+    return [reason for reason in DOOM_REASONS if reason not in (doomed or {})]
+
+
 def doomed_complete(doomed: Mapping[str, int] | None) -> bool:
-    """Every doom reason is known, so the deficit computed from them is exact."""
-    return doomed is not None and set(doomed) >= set(DOOM_REASONS)
+    """Every doom reason is known, so the deficit computed from them is exact: the one place that decides
+    (the record's ``under_submitted_lower_bound``, which the views read, comes from here)."""
+    return doomed is not None and not unknown_doom_reasons(doomed)
 
 
 def under_submitted(target: int, restored: int, doomed: int, submitted: int) -> int:
