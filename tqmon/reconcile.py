@@ -28,7 +28,17 @@ from tqmon.events import (
     WindowObserved,
 )
 from tqmon.judge import has_tq_dir, in_order
-from tqmon.snapshot import CheckpointView, Claim, Evidence, ResumeRecord, RunInfo, SourceName, WindowView
+from tqmon.snapshot import (
+    PUSHED_SOURCE,
+    UNTIMED_SOURCE,
+    CheckpointView,
+    Claim,
+    Evidence,
+    ResumeRecord,
+    RunInfo,
+    SourceName,
+    WindowView,
+)
 from tqmon.warmup import DOOM_REASONS, TRAIN, GivenConfig, TrainerConfig, WarmupConfig, eviction_rules, window_target
 
 STEP_RATE_WINDOW = 10  # steps averaged for the step duration
@@ -236,7 +246,7 @@ class Reconciler:
             self._rederive()
 
     def _saved(self, event: CheckpointSaved, source: str, at: float) -> None:
-        if source != SourceName.CHECKPOINT:  # the checkpoint dir may hold an older run's checkpoint
+        if source != UNTIMED_SOURCE:  # the checkpoint dir may hold an older run's checkpoint
             self.trainer_step = event.step
             self._step_saved = max(event.step, self._step_saved or 0)
         current = self.checkpoint
@@ -378,11 +388,11 @@ def trainer_time(event: Event, source: str, received_at: float) -> float | None:
     (a catch-up, ``tqmon analyze``): its receipt is not the trainer's time, so it has none. Nor has a reading
     of the checkpoint dir: it may come before the log lines of the same time, or after a later save.
     """
-    if source == SourceName.CHECKPOINT:
+    if source == UNTIMED_SOURCE:
         return None
     if event.time is not None:
         return event.time.timestamp()
-    return received_at if source == SourceName.EVENTS else None
+    return received_at if source == PUSHED_SOURCE else None
 
 
 def _latest(current: float | None, candidate: float | None) -> float | None:

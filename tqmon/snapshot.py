@@ -22,6 +22,13 @@ class SourceName(enum.StrEnum):
     REPLAY_BUFFER = "replay_buffer"  # the verl plugin's window after each replay buffer sync
 
 
+# The trainer-time rule (tqmon.reconcile.trainer_time, and the store's retention query built from the same names):
+# a reading of the checkpoint dir is not the trainer's doing, so it has no trainer time and its checkpoint is
+# not a step the trainer saved; an event pushed to the API is posted as it happens, so its receipt is its time.
+UNTIMED_SOURCE = SourceName.CHECKPOINT
+PUSHED_SOURCE = SourceName.EVENTS
+
+
 class Tally(enum.StrEnum):
     """What the tracker counts (label values in the comments); the exporters name the metric of each."""
 
