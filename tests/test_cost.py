@@ -191,6 +191,39 @@ def test_checkpoint_dir_readings_and_untimed_lines_are_not_trainer_time() -> Non
     assert fold([*first_run(), *untimed]).records[-1].cost.downtime_seconds is None
 
 
+def test_the_stores_retention_query_keeps_exactly_the_events_with_a_trainer_time() -> None:
+    # Retention keeps the last timed event before each start with SQL (store.BEFORE_START); the reconciler
+    # decides the same in Python (trainer_time). Every event type from every source: both agree.
+    import sqlite3
+
+    from tqmon.events import dump_event
+    from tqmon.reconcile import trainer_time
+    from tqmon.store import BEFORE_START
+
+    events: list[Event] = [
+        RunStarted(id="r", run_id="p/e", trainer_mode="colocate_async", verl_version="0.9.1", config=CONFIG),
+        TrainingStarted(id="s", resumed_from_step=4),
+        TrainingStarted(id="st", time=when("10:00:00"), resumed_from_step=4),
+        StepCompleted(id="k", global_step=5),
+        StepCompleted(id="kt", time=when("10:01:00"), global_step=5),
+        CheckpointSaved(id="c", time=when("10:02:00"), step=6),
+    ]
+    db = sqlite3.connect(":memory:")
+    db.execute("CREATE TABLE events (seq INTEGER, type TEXT, source TEXT, body TEXT, received_at REAL)")
+    rows = [(e, str(source)) for e in events for source in SourceName]
+    for seq, (event, source) in enumerate(rows):
+        db.execute("INSERT INTO events VALUES (?, ?, ?, ?, ?)", (seq, event.type, source, dump_event(event), 7.0))
+    condition = BEFORE_START[2][0]
+    kept = {
+        (t, s, json.loads(b)["id"])
+        for t, s, b in db.execute(f"SELECT type, source, body FROM events WHERE {condition}")
+    }
+    timed = {(e.type, s, e.id) for e, s in rows if e.type != "run_started" and trainer_time(e, s, 7.0) is not None}
+    assert kept == timed
+    assert ("step_completed", "events", "k") in kept and ("step_completed", "log", "k") not in kept
+    assert not any(source == SourceName.CHECKPOINT for _, source, _ in kept)
+
+
 def test_a_step_reported_by_the_log_and_the_jsonl_counts_once_in_the_step_duration() -> None:
     # Steps 1-5 of 30 s from the JSONL, then step 5 again (the console line) claiming 90 s: the mean stays 30.
     state = fold([*first_run(), (StepCompleted(id="l5", global_step=5, step_seconds=90.0), SourceName.LOG)])

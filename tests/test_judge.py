@@ -18,9 +18,10 @@ from prometheus_client.exposition import generate_latest
 
 from tests.test_exposition import full_snapshot, registry_for
 from tqmon.cli import main
+from tqmon.derivation import predict_resume
 from tqmon.events import CheckpointSaved, GroupCount, parse_event
 from tqmon.judge import Bounds, exact, has_tq_dir, window_bounds
-from tqmon.reconcile import Reconciler, predict_resume
+from tqmon.reconcile import Reconciler
 from tqmon.snapshot import Claim, ResumeRecord, WindowView
 from tqmon.warmup import GivenConfig, TrainerConfig, WarmupState
 

@@ -12,8 +12,9 @@ from typing import Any
 
 import pytest
 
+from tqmon.derivation import predict_resume
 from tqmon.events import CheckpointSaved, GroupCount, parse_event
-from tqmon.reconcile import Reconciler, predict_resume
+from tqmon.reconcile import Reconciler
 from tqmon.snapshot import ResumeRecord
 from tqmon.warmup import GivenConfig, TrainerConfig, WarmupState, skip_reason
 

@@ -513,6 +513,7 @@ def test_a_log_only_start_shows_every_unknown_and_a_lower_bound() -> None:
         over_restored=0,
         doomed=None,
         under_submitted=0,
+        under_submitted_lower_bound=True,  # as the derivation sets it with no doom reason known
         warmup_state=WarmupState.TOPPED_UP,
         evidence=(Evidence("log", "checkpoint_restored", "log:a:3", T1 - 29, "restored_prompt_groups=6"),),
     )

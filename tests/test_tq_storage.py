@@ -32,8 +32,8 @@ from tqmon.checkpoint.storage import (
     with_verdicts,
 )
 from tqmon.checkpoint.unpickler import CheckpointError
+from tqmon.derivation import checkpoint_doomed
 from tqmon.events import CheckpointSaved, GroupCount
-from tqmon.reconcile import checkpoint_doomed
 from tqmon.warmup import WarmupConfig, is_zero_variance, known_doomed, pairwise_sum
 
 

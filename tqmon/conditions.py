@@ -14,7 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from tqmon.rules import Alert, RuleConfig, alerts
-from tqmon.snapshot import ResumeRecord, Snapshot, WindowView
+from tqmon.snapshot import ResumeRecord, Snapshot
 from tqmon.warmup import WarmupState
 
 
@@ -55,13 +55,9 @@ def _recent(snapshot: Snapshot, now: float, config: RuleConfig) -> ResumeRecord 
     return record
 
 
-def _train(snapshot: Snapshot, now: float) -> WindowView | None:
-    return next((w for w in snapshot.fresh_windows(now) if w.partition == "train"), None)
-
-
 def _fill(snapshot: Snapshot, now: float) -> tuple[float | None, str]:
     """The live train window over T (the recording rule ``tqmon:window_fill_ratio:ratio``)."""
-    train = _train(snapshot, now)
+    train = snapshot.train_window(now)
     if train is None:
         return None, "no fresh live window"
     if not snapshot.target_window:
@@ -149,7 +145,7 @@ def _stale(snapshot: Snapshot, now: float, config: RuleConfig) -> Check:
 
 
 def _orphans(snapshot: Snapshot, now: float, config: RuleConfig) -> Check:
-    train = _train(snapshot, now)
+    train = snapshot.train_window(now)
     if train is None or train.orphan_trajectories is None:
         return False, "orphan trajectories not observed"
     orphans = train.orphan_trajectories

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from tqmon.warmup import DOOM_REASONS
+from tqmon.warmup import doomed_complete
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,6 +91,6 @@ def wasted_rollouts(doomed: Mapping[str, int] | None, rollout_n: int | None) -> 
 
     Needs every doom reason: with one unknown the total would be a guess.
     """
-    if doomed is None or rollout_n is None or any(reason not in doomed for reason in DOOM_REASONS):
+    if doomed is None or rollout_n is None or not doomed_complete(doomed):
         return None
-    return sum(doomed[reason] for reason in DOOM_REASONS) * rollout_n
+    return sum(doomed.values()) * rollout_n

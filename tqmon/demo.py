@@ -28,7 +28,7 @@ import click
 
 from tqmon.rules import render as render_rules
 from tqmon.sim.scenarios import CHECKPOINT_DIR, LOG_FILE, SCENARIOS
-from tqmon.warmup import PROMPT_STATUSES
+from tqmon.warmup import PROMPT_STATUSES, TRAIN
 
 CLEAR = "\x1b[H\x1b[2J"
 STOP_SECONDS = 20.0  # per child, before SIGKILL
@@ -154,7 +154,7 @@ def _count(value: Any) -> str:
 
 
 def window_line(status: Mapping[str, Any]) -> str:
-    train = next((w for w in status.get("windows", []) if w["partition"] == "train"), None)
+    train = next((w for w in status.get("windows", []) if w["partition"] == TRAIN), None)
     target = status.get("target_window")
     if train is None:
         return f"live window (train): not seen yet · target {_count(target)}"

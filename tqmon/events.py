@@ -25,6 +25,7 @@ from pydantic import (
 
 from tqmon.warmup import (
     PROMPT_STATUSES,
+    TRAIN,
     DoomReason,
     Partition,
     PromptStatus,
@@ -162,7 +163,7 @@ class InflightReissued(_Event):
     step: Count | None = Field(None, description="the resumed step N+1")
     reissued_prompt_groups: Count
     cleared_trajectories: Count = 0
-    partition: Partition = "train"
+    partition: Partition = TRAIN
 
 
 class WarmupDecided(_Event):
@@ -229,7 +230,7 @@ class WindowObserved(_Event):
     """
 
     type: Literal["window_observed"] = "window_observed"
-    partition: Partition = "train"
+    partition: Partition = TRAIN
     by_status: dict[Status, Count]
     groups: list[GroupCount] | None = Field(
         None, description="prompt groups by status and global_steps; tqmon derives the age histogram from it"

@@ -1,6 +1,6 @@
 """Judges what the sources said about one start: where they contradict each other, and whether its window was lost.
 
-Pure like :mod:`tqmon.reconcile`, which calls it from :func:`tqmon.reconcile.derive_record` (the one
+Pure like :mod:`tqmon.derivation`, which calls it from :func:`tqmon.derivation.derive_record` (the one
 derivation serve, inspect and analyze share). Each source's value is a :class:`~tqmon.snapshot.Claim`; two
 claims disagree when their values differ beyond what the trainer's own timing explains: counts the
 trainer reports once (R, its split, K, T, M) must match exactly, whichever sources (or the same one twice)
@@ -14,7 +14,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from tqmon.snapshot import Claim, Disagreement
-from tqmon.warmup import PROMPT_STATUSES, doomed_complete
+from tqmon.warmup import PROMPT_STATUSES, TQ_DIR, doomed_complete
 
 RESTORED_BY_STATUS = tuple(f"restored_{status}" for status in PROMPT_STATUSES)
 WINDOW_AFTER_WARMUP = "window_after_warmup"  # the first live window after the decision against R + M
@@ -22,7 +22,6 @@ CHECKPOINT_WINDOW = "checkpoint_window"  # the loaded checkpoint's composition a
 EXACT_QUANTITIES = ("restored", *RESTORED_BY_STATUS, "reissued", "target", "submitted")
 QUANTITIES = (*EXACT_QUANTITIES, WINDOW_AFTER_WARMUP, CHECKPOINT_WINDOW)  # the ``quantity`` label values
 CONFIG_SOURCE = "config"  # the trainer config tqmon was given, as a source of T and M
-TQ_DIR_NAME = "transfer_queue"
 
 
 @dataclass(frozen=True, slots=True)
@@ -127,7 +126,7 @@ def has_tq_dir(path: str | None) -> bool | None:
     when ``transfer_queue/`` is missing); None when the event names no path."""
     if path is None:
         return None
-    return path.rstrip("/").rsplit("/", 1)[-1].startswith(TQ_DIR_NAME)
+    return path.rstrip("/").rsplit("/", 1)[-1].startswith(TQ_DIR)
 
 
 def is_lost_window(

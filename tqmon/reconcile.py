@@ -1,534 +1,49 @@
-"""Folds every source's events into observations of trainer starts and derives one resume record per start.
+"""Folds every source's events into observations of trainer starts, one :class:`Observed` per start.
 
-The middle of the pipeline: sources produce events, this module reconciles them, the tracker keeps the
-result and publishes it. Nothing here does I/O, reads a clock or takes a lock: given the same events (with
-their receive times) it reaches the same state, which is why the tracker can rebuild it by replaying the
-store, and why ``tqmon inspect`` predicts a resume with the very derivation the metrics use
-(:func:`predict_resume`).
+The middle of the pipeline: sources produce events, this module folds them, :mod:`tqmon.derivation` turns
+each start's observations into its resume record, the tracker keeps the result and publishes it. Nothing
+here does I/O, reads a clock or takes a lock: given the same events (with their receive times) it reaches
+the same state, which is why the tracker can rebuild it by replaying the store.
 """
 
 from __future__ import annotations
 
-import json
 from collections import deque
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from statistics import fmean
 from typing import Any
 
 from tqmon.composition import from_group_counts, window_view
-from tqmon.cost import CostInputs, resume_cost
+from tqmon.derivation import Observed, SavedCheckpoint, checkpoint_doomed, derive_record, with_checkpoint
 from tqmon.events import (
     CheckpointRestored,
     CheckpointSaved,
     Event,
-    GroupCount,
     InflightReissued,
     RunStarted,
     StepCompleted,
     TrainingStarted,
     WarmupDecided,
     WindowObserved,
-    restored_groups,
-    status_counts,
 )
-from tqmon.judge import (
-    CHECKPOINT_WINDOW,
-    CONFIG_SOURCE,
-    WINDOW_AFTER_WARMUP,
-    Bounds,
-    Judgement,
-    complete_doomed,
-    has_tq_dir,
-    in_order,
-    is_lost_window,
-    judge,
-    terminal_groups,
-    window_bounds,
+from tqmon.judge import has_tq_dir, in_order
+from tqmon.snapshot import (
+    PUSHED_SOURCE,
+    UNTIMED_SOURCE,
+    CheckpointView,
+    Claim,
+    Evidence,
+    ResumeRecord,
+    RunInfo,
+    SourceName,
+    WindowView,
 )
-from tqmon.snapshot import CheckpointView, Claim, Evidence, ResumeRecord, RunInfo, SourceName, WindowView
-from tqmon.warmup import (
-    DOOM_REASONS,
-    PROMPT_STATUSES,
-    GivenConfig,
-    TrainerConfig,
-    WarmupConfig,
-    WarmupState,
-    decide_warmup,
-    doomed_complete,
-    is_legacy_growth,
-    is_legacy_unconditional,
-    is_legacy_version,
-    known_doomed,
-    legacy_submitted,
-    skip_reason,
-    target_window,
-    under_submitted,
-)
+from tqmon.warmup import DOOM_REASONS, TRAIN, GivenConfig, TrainerConfig, WarmupConfig, eviction_rules, window_target
 
 STEP_RATE_WINDOW = 10  # steps averaged for the step duration
 KEPT_COMPOSITIONS = 16  # checkpoint compositions kept for matching resumes to what they loaded
 RESTART_CLAIM_SECONDS = 600.0  # a restart hint and a start reported this close together are one restart
-INFERENCE = "inference"  # the source of evidence tqmon inferred rather than heard
-REISSUE_FOLLOWERS = ("warmup_decided", "step_completed")  # reports verl's re-issue line comes before
-
-_SKIP_STATES = {
-    "sync_mode": WarmupState.SYNC_MODE,
-    "skip_rollout_tq": WarmupState.DISABLED,
-    "non_positive_warmup": WarmupState.DISABLED,
-}
-
-Composition = tuple[CheckpointSaved, str, float]  # a checkpoint_saved event with a split, its source, when
-
-
-@dataclass
-class Observed:
-    """What the sources said about one start; everything else in a record is derived from it."""
-
-    index: int
-    resumed: bool
-    started_at: float
-    run_id: str
-    checkpoint_step: int | None = None
-    checkpoint_path: str | None = None  # the folder verl said it resumed from (``trainer.resume_from_path``)
-    restored: int | None = None
-    by_status: dict[str, int] | None = None
-    groups: list[GroupCount] | None = None
-    filter_metric: str | None = None  # the DAPO metric every finished group of ``groups`` was judged with
-    reissued: int | None = None
-    cleared: int | None = None
-    target: int | None = None
-    submitted: int | None = None
-    skip_reason: str | None = None
-    legacy_batches: int | None = None
-    first_step_evictions: dict[str, int] | None = None
-    first_step_wait: float | None = None
-    evidence: list[Evidence] = field(default_factory=list)
-    claims: dict[str, list[Claim]] = field(default_factory=dict)  # quantity -> what each source said, in order
-    restored_at: float | None = None  # when a source first said TQ state was loaded (verl logs it even for R = 0)
-    decided_at: float | None = None  # when the warmup decision was first reported
-    window_before: Claim | None = None  # the train window's total last seen before this start opened
-    first_window: Claim | None = None  # the first train window seen after it opened
-    window_after_decision: Claim | None = None  # the first one seen after the warmup decision
-
-    # What the resume cost (tqmon.cost): trainer times only (see trainer_time), None where not observed.
-    first_line_at: float | None = None  # the start's first event, if it carried the trainer's time
-    last_step_before: int | None = None  # the last step completed (or saved) before the stop, if steps were seen
-    last_activity_before: float | None = None  # the last timed trainer event before the stop
-    loop_started_at: float | None = None  # the re-issue or warmup line: verl's step loop starts right after
-    first_step_seconds: float | None = None  # the first step's own duration (timing_s/step)
-
-    def claim(self, quantity: str, source: str, value: int, at: float, event_id: str) -> None:
-        self.claims.setdefault(quantity, []).append(Claim(source, value, at, event_id))
-
-    def saw_window(self, window: Claim) -> bool:
-        """Keep the windows the judge compares; True when this one is kept.
-
-        Only windows seen once the trainer reported its restore (or its decision) count: before that a new
-        controller is still being loaded and a poll sees it half-filled.
-        """
-        reported = [t for t in (self.restored_at, self.decided_at) if t is not None]
-        if not reported or window.at < min(reported):
-            return False
-        kept = self.first_window is None
-        if kept:
-            self.first_window = window
-        if self.window_after_decision is None and self.decided_at is not None and window.at >= self.decided_at:
-            self.window_after_decision, kept = window, True
-        return kept
-
-    @property
-    def decided(self) -> bool:
-        """The warmup already reported its decision."""
-        return self.submitted is not None or self.skip_reason is not None or self.legacy_batches is not None
-
-    @property
-    def sealed(self) -> bool:
-        """A start is over once its first step completed; later events belong to a new start."""
-        return self.first_step_evictions is not None
-
-
-# ---------------------------------------------------------------- deriving a record
-
-
-def derive_record(
-    obs: Observed,
-    config: WarmupConfig | None,
-    previous_restored: int | None,
-    verl_version: str = "",
-    loaded: Composition | None = None,
-    previous: Composition | None = None,
-) -> ResumeRecord:
-    """Compute T, M expected, O, doomed, the deficit and the warmup state from what was observed.
-
-    ``verl_version`` (from ``run_started``) names the semantics when no log line or count betrays them.
-    ``loaded`` is the composition of the checkpoint this start loaded, ``previous`` the newest one before it
-    that held TQ state: the sources :mod:`tqmon.judge` checks the others against.
-    """
-    restored = obs.restored
-    if restored is None and config is not None and not restores_tq(config):
-        restored = 0
-    if restored is None and obs.resumed is False:
-        restored = 0  # a fresh start restores nothing
-    target = obs.target if obs.target is not None else window_target(config)
-
-    predicted = decide_warmup(config, restored, resumed=obs.resumed) if config and restored is not None else None
-    if predicted is not None and obs.target is not None and predicted.target != obs.target:
-        predicted = None  # the trainer ran with another config than tqmon knows: what it logged wins
-    expected: int | None = None
-    if predicted is not None:
-        expected = predicted.submitted
-    elif target is not None and restored is not None:
-        expected = max(0, target - restored)
-
-    submitted = obs.submitted
-    if submitted is None and predicted is not None and not predicted.logged and not obs.legacy_batches:
-        submitted = predicted.submitted  # verl logs nothing when the warmup is off: the config is the evidence
-    semantics = "verl-0.9.0" if is_legacy_version(verl_version) else "verl-0.9.1"
-    if obs.legacy_batches is not None:
-        semantics = "verl-0.9.0"
-        submitted = legacy_submitted(config, obs.legacy_batches) if config else None
-
-    state = warmup_state(obs, restored, target, submitted, predicted.state if predicted else None, previous_restored)
-    if state is WarmupState.LEGACY_UNCONDITIONAL:
-        semantics = "verl-0.9.0"
-    keeps_window = restores_tq(config) and (config is None or not config.skip_rollout_tq)
-    window_lost = is_lost_window(
-        keeps_window=obs.resumed and keeps_window,
-        legacy=semantics == "verl-0.9.0",
-        restore_reported=obs.restored_at is not None,
-        decided=obs.submitted is not None or obs.skip_reason is not None,
-        restored=obs.restored,
-    )
-    evidence = [*obs.evidence, *_lost_evidence(obs, loaded, previous)] if window_lost else obs.evidence
-    if window_lost:
-        state = WarmupState.LOST_WINDOW
-
-    rules, assumed = eviction_rules(config, obs.groups is not None and obs.checkpoint_step is not None)
-    doomed = _doomed(obs, rules, restored)
-    under = None
-    if target is not None and restored is not None and submitted is not None:
-        # Unknown doom reasons count as 0, which makes the deficit a lower bound (and says so).
-        lost = sum((doomed or {}).values())
-        under = under_submitted(target, restored, min(lost, restored), submitted)
-    reissued, cleared = obs.reissued, obs.cleared
-    if reissued is None and (not obs.resumed or obs.decided or obs.sealed):
-        # verl re-issues before the warmup and logs nothing when there was nothing in flight.
-        reissued, cleared = 0, 0
-        if obs.resumed:  # a fresh start has nothing to re-issue: no inference there
-            evidence = [*evidence, _inferred_reissue(obs)]
-
-    judgement = _judge(obs, config, loaded, restored, submitted, semantics, doomed)
-    by_status: dict[str, int] | None = None
-    if obs.by_status is not None:
-        by_status = dict(obs.by_status)
-    elif restored == 0:
-        by_status = dict.fromkeys(PROMPT_STATUSES, 0)  # nothing restored: every status is known-empty
-    elif restored is not None:
-        by_status = {"unknown": restored}
-
-    return ResumeRecord(
-        index=obs.index,
-        resumed=obs.resumed,
-        started_at=obs.started_at,
-        run_id=obs.run_id,
-        checkpoint_step=obs.checkpoint_step if obs.resumed else 0,
-        restored=restored,
-        restored_by_status=by_status,
-        reissued=reissued,
-        cleared_trajectories=cleared,
-        target=target,
-        expected=expected,
-        submitted=submitted,
-        over_restored=max(0, restored - target) if restored is not None and target is not None else None,
-        doomed=doomed,
-        under_submitted=under,
-        under_submitted_lower_bound=under is not None and not doomed_complete(doomed),
-        assumed_defaults=assumed if restored and doomed else (),
-        warmup_state=state,
-        semantics=semantics,
-        first_step_evictions=obs.first_step_evictions,
-        first_step_generation_wait_seconds=obs.first_step_wait,
-        evidence=tuple(evidence),
-        disagreements=judgement.disagreements,
-        compared=judgement.compared,
-        cost=resume_cost(
-            CostInputs(
-                checkpoint_step=obs.checkpoint_step,
-                started_at=obs.first_line_at,
-                last_step_before=obs.last_step_before,
-                last_activity_before=obs.last_activity_before,
-                loop_started_at=obs.loop_started_at,
-                first_step_seconds=obs.first_step_seconds,
-                doomed=doomed,
-                rollout_n=config.rollout_n if config is not None else None,
-            ),
-            resumed=obs.resumed,
-            lost_prompt_groups=_lost_groups(obs, previous) if window_lost else _nothing_lost(obs, keeps_window),
-        ),
-    )
-
-
-def _config_claims(obs: Observed, config: WarmupConfig | None, restored: int | None) -> dict[str, list[Claim]]:
-    """T and M as the config tqmon was given predicts them, where the trainer reported them too."""
-    if config is None or not restores_tq(config):
-        return {}
-    claims: dict[str, list[Claim]] = {}
-    decision = decide_warmup(config, restored, resumed=obs.resumed) if restored is not None else None
-    predictions = {"target": window_target(config), "submitted": decision.submitted if decision else None}
-    for quantity, value in predictions.items():
-        if value is not None and obs.claims.get(quantity):
-            claims[quantity] = [Claim(CONFIG_SOURCE, value, obs.claims[quantity][0].at)]
-    if decision is not None and not decision.logged:
-        claims.pop("submitted", None)  # verl logs no decision then: whatever a source says is not verl's
-    return claims
-
-
-def _composition_claims(loaded: Composition) -> dict[str, list[Claim]]:
-    """R and its split as the loaded checkpoint holds them."""
-    event, source, at = loaded
-    statuses = event.status_counts() or {}
-    claims = {
-        f"restored_{status}": [Claim(source, statuses.get(status, 0), at, event.id)] for status in PROMPT_STATUSES
-    }
-    return claims | {"restored": [Claim(source, sum(statuses.values()), at, event.id)]}
-
-
-def _judge(
-    obs: Observed,
-    config: WarmupConfig | None,
-    loaded: Composition | None,
-    restored: int | None,
-    submitted: int | None,
-    semantics: str,
-    doomed: Mapping[str, int] | None,
-) -> Judgement:
-    """What the sources of this start were compared on, and where they contradict each other (see
-    :mod:`tqmon.judge`)."""
-    claims = {quantity: list(said) for quantity, said in obs.claims.items()}
-    if semantics != "verl-0.9.0":  # 0.9.0 warms up whole batches whatever the config says of M
-        for quantity, said in _config_claims(obs, config, restored).items():
-            claims.setdefault(quantity, []).extend(said)
-    if loaded is not None and obs.resumed and restores_tq(config):
-        for quantity, said in _composition_claims(loaded).items():
-            if obs.claims.get(quantity):  # R's split is compared only with a source that split it too
-                claims[quantity].extend(said)
-    batch = config.train_batch_size if config is not None else None  # what prepare_step adds before sampling
-    windows: dict[str, tuple[Claim, Claim | None, Bounds]] = {}
-    loaded_doomed = checkpoint_doomed(loaded[0], config) if loaded is not None else None
-    loaded_statuses = loaded[0].status_counts() if loaded is not None else None
-    if restored is not None and submitted is not None and obs.decided_at is not None:
-        source = obs.claims["submitted"][0].source if obs.claims.get("submitted") else CONFIG_SOURCE
-        reported = Claim(f"{source} R + M", restored + submitted, obs.decided_at)
-        split = status_counts(obs.by_status, obs.groups)  # else the loaded checkpoint's, as for the doomed
-        terminal = terminal_groups(split if split is not None else loaded_statuses)
-        bounds = window_bounds(reported.value, complete_doomed(doomed, loaded_doomed), restored, batch, terminal)
-        windows[WINDOW_AFTER_WARMUP] = (reported, obs.window_after_decision, bounds)
-    if loaded is not None and obs.resumed and restores_tq(config):
-        event, source, at = loaded
-        total = sum((loaded_statuses or {}).values())
-        added = None if batch is None or submitted is None else batch + submitted
-        bounds = window_bounds(total, complete_doomed(loaded_doomed), total, added, terminal_groups(loaded_statuses))
-        windows[CHECKPOINT_WINDOW] = (Claim(source, total, at, event.id), obs.first_window, bounds)
-    return judge(claims, windows)
-
-
-def _inferred_reissue(obs: Observed) -> Evidence:
-    """Evidence for K = 0 and no cleared trajectories where no line says so: verl logs its re-issue before the
-    warmup decision, and nothing when nothing was in flight. It names the report the line did not precede."""
-    after = next((e for e in obs.evidence if e.event_type in REISSUE_FOLLOWERS), None)
-    inferred = "reissued_prompt_groups=0, cleared_trajectories=0: inferred from the absence of the re-issue line"
-    if after is None:
-        return Evidence(INFERENCE, "inflight_reissued", "", obs.started_at, inferred)
-    detail = f"{inferred} before {after.event_type} from {after.source}"
-    return Evidence(INFERENCE, "inflight_reissued", after.event_id, after.at, detail)
-
-
-def _nothing_lost(obs: Observed, keeps_window: bool) -> int | None:
-    """0 when a resume can have lost no window (a reported restore, a mode that keeps none); None while that
-    is not known yet (or never: verl 0.9.0 does not report its restore). A fresh start has no cost at all."""
-    return 0 if obs.restored_at is not None or not keeps_window else None
-
-
-def _lost_groups(obs: Observed, previous: Composition | None) -> int | None:
-    """The groups a lost window held: the last live window seen before the restart, else the newest
-    checkpoint composition before the one loaded; None when neither is known."""
-    if obs.window_before is not None:
-        return obs.window_before.value
-    if previous is not None:
-        return sum((previous[0].status_counts() or {}).values())
-    return None
-
-
-def _lost_evidence(obs: Observed, loaded: Composition | None, previous: Composition | None) -> list[Evidence]:
-    """What confirms a lost window beyond the log, and what says how much was lost."""
-    found = []
-    if loaded is not None and has_tq_dir(loaded[0].path) is False:
-        event, source, at = loaded
-        found.append(Evidence(source, event.type, event.id, at, f"global_step_{event.step} has no transfer_queue/"))
-    if obs.window_before is not None:
-        w = obs.window_before
-        found.append(
-            Evidence(w.source, "window_observed", w.event_id, w.at, f"last window before the restart: {w.value}")
-        )
-    elif previous is not None:
-        event, source, at = previous
-        total = sum((event.status_counts() or {}).values())
-        found.append(Evidence(source, event.type, event.id, at, f"global_step_{event.step} held {total} groups"))
-    return found
-
-
-def warmup_state(
-    obs: Observed,
-    restored: int | None,
-    target: int | None,
-    submitted: int | None,
-    predicted: WarmupState | None,
-    previous_restored: int | None,
-) -> WarmupState:
-    """What the warmup did, from what was reported first and from the config where verl logs nothing."""
-    if predicted is WarmupState.SYNC_MODE or obs.skip_reason == "sync_mode":
-        return WarmupState.SYNC_MODE
-    if obs.legacy_batches is not None:
-        return WarmupState.LEGACY_UNCONDITIONAL
-    if (
-        restored is not None
-        and target is not None
-        and submitted is not None
-        and is_legacy_unconditional(restored, target, submitted)
-    ):
-        return WarmupState.LEGACY_UNCONDITIONAL
-    if obs.skip_reason in _SKIP_STATES:
-        return _SKIP_STATES[obs.skip_reason]
-    decided = obs.skip_reason is not None or submitted is not None
-    if (
-        not decided
-        and restored is not None
-        and target is not None
-        and previous_restored is not None
-        and is_legacy_growth(previous_restored, restored, target)
-    ):
-        return WarmupState.LEGACY_UNCONDITIONAL
-    if decided and restored is not None:
-        if submitted:
-            return WarmupState.TOPPED_UP if obs.resumed else WarmupState.FRESH_START
-        if target is not None:
-            return WarmupState.SKIPPED_OVER_RESTORED if restored > target else WarmupState.SKIPPED_FULL
-    if predicted in (WarmupState.DISABLED, WarmupState.SYNC_MODE):
-        return predicted  # verl logs nothing for these: the config is the evidence
-    return WarmupState.UNKNOWN
-
-
-# verl 0.9.1's defaults for the settings that decide evictions (ppo_trainer.yaml: max_off_policy_threshold 8,
-# max_off_policy_strategy drop, algorithm.filter_groups.enable False). T's settings are placeholders that the
-# doom classification never reads.
-VERL_EVICTION_DEFAULTS = WarmupConfig(trainer_mode="colocate_async", train_batch_size=1, num_warmup_batches=0)
-EVICTION_SETTINGS = ("max_off_policy_threshold", "max_off_policy_strategy", "filter_groups")
-
-
-def eviction_rules(config: WarmupConfig | None, per_group: bool) -> tuple[WarmupConfig, tuple[str, ...]]:
-    """The config that decides which restored groups are doomed, and the verl defaults it assumed (named
-    ``setting=value``): without the trainer config, verl's defaults make filtered computable, and stale too
-    when the groups' steps (``per_group``) are known."""
-    if config is not None:
-        return config, ()
-    defaults = VERL_EVICTION_DEFAULTS.model_dump()
-    used = EVICTION_SETTINGS if per_group else ("filter_groups",)
-    return VERL_EVICTION_DEFAULTS, tuple(f"{name}={_setting(defaults[name])}" for name in used)
-
-
-def _setting(value: object) -> str:
-    """A setting's value as verl's YAML writes it (``false``, ``null``, ``drop``)."""
-    return json.dumps(value) if value is None or isinstance(value, bool) else str(value)
-
-
-def _doomed(obs: Observed, config: WarmupConfig | None, restored: int | None) -> dict[str, int] | None:
-    """Doomed restored groups by the reasons that are known; None when none is."""
-    if restored == 0:
-        return dict.fromkeys(DOOM_REASONS, 0)
-    groups = restored_groups(obs.groups) if obs.groups is not None and obs.checkpoint_step is not None else None
-    statuses = status_counts(obs.by_status, obs.groups)
-    decided = obs.filter_metric is not None
-    return known_doomed(config, statuses, groups, obs.checkpoint_step or 0, filter_verdicts=decided)
-
-
-def restores_tq(config: WarmupConfig | None) -> bool:
-    """verl loads TransferQueue state on a resume in the async modes only (sync mode keeps no window)."""
-    return config is None or config.trainer_mode != "sync"
-
-
-def window_target(config: WarmupConfig | None) -> int | None:
-    """T, or None where verl defines none: its warmup returns before computing one when ``skip.rollout_tq``
-    is on (it replays cached rollouts) or ``num_warmup_batches <= 0``. Sync mode keeps no window, and
-    verl's warmup counts its T as 0 there."""
-    if config is None:
-        return None
-    if not restores_tq(config):
-        return 0
-    if config.skip_rollout_tq or config.num_warmup_batches <= 0:
-        return None
-    return target_window(config)
-
-
-def with_checkpoint(obs: Observed, saved: Composition | None, config: WarmupConfig | None) -> Observed:
-    """A resume whose log gave only a total (or nothing: verl 0.9.0), completed from the checkpoint it loaded.
-
-    ``tq.load_checkpoint(global_step_N)`` restores exactly that checkpoint's composition, so when the
-    checkpoint source read it (and the totals agree), R's split by status and step is known too.
-    """
-    if saved is None or not obs.resumed or obs.by_status is not None or obs.groups is not None:
-        return obs
-    event, source, at = saved
-    statuses = event.status_counts()
-    if statuses is None or event.step != obs.checkpoint_step or not restores_tq(config):
-        return obs
-    total = sum(statuses.values())
-    if obs.restored not in (None, total):
-        return obs  # the trainer restored something else: the log's total stands
-    evidence = Evidence(source, event.type, event.id, at, f"composition of global_step_{event.step}: {statuses}")
-    return replace(
-        obs,
-        restored=total,
-        by_status=statuses,
-        groups=event.groups,
-        filter_metric=event.filter_metric,
-        evidence=[*obs.evidence, evidence],
-    )
-
-
-def checkpoint_doomed(event: CheckpointSaved, config: WarmupConfig | None) -> dict[str, int] | None:
-    """Doomed groups of a resume from this checkpoint (verl's eviction defaults without the config); None when
-    the checkpoint's composition is unknown."""
-    statuses = event.status_counts()
-    if statuses is None:
-        return None
-    groups = restored_groups(event.groups) if event.groups is not None else None
-    rules = eviction_rules(config, groups is not None)[0]
-    return known_doomed(rules, statuses, groups, event.step, filter_verdicts=event.filter_metric is not None)
-
-
-def predict_resume(saved: CheckpointSaved, reissued: int, cleared: int, config: WarmupConfig | None) -> ResumeRecord:
-    """The record a resume from ``saved`` gets once verl has reported it, before it happens.
-
-    The checkpoint gives R's composition and K; the config gives the warmup decision, which verl logs (or
-    not) exactly as :func:`tqmon.warmup.decide_warmup` says. :func:`derive_record` does the rest, as for a
-    live resume.
-    """
-    at = saved.timestamp(0.0)
-    loaded = (saved, SourceName.CHECKPOINT.value, at)
-    obs = Observed(index=0, resumed=True, started_at=at, run_id="", checkpoint_step=saved.step)
-    obs = with_checkpoint(obs, loaded, config)
-    if obs.restored is not None:
-        obs.reissued, obs.cleared = reissued, cleared
-    if has_tq_dir(saved.path) is not False and restores_tq(config):
-        obs.restored_at = at  # verl reports every restore it loads, an empty one too; without the dir, none
-    if config is not None:
-        decision = decide_warmup(config, obs.restored or 0, resumed=True)
-        if decision.logged:
-            obs.target, obs.submitted = decision.target, decision.submitted
-        else:
-            obs.skip_reason = skip_reason(config)
-    return derive_record(obs, config, None, loaded=loaded)
 
 
 def corroborates(obs: Observed, source: str, event_type: str) -> bool:
@@ -564,7 +79,7 @@ class Reconciler:
         self._directory: tuple[CheckpointSaved | None] | None = None
         self._restart_hint: Evidence | None = None  # a restart sign no start has claimed yet
         self._step_seconds: deque[float] = deque(maxlen=STEP_RATE_WINDOW)
-        self._compositions: dict[int, Composition] = {}  # step -> a checkpoint's composition
+        self._compositions: dict[int, SavedCheckpoint] = {}  # step -> a checkpoint's composition
         self._last_train_window: Claim | None = None  # never dropped: a lost window's size after a restart
         # Since the open start began: the last step the trainer completed and saved, and its last timed event.
         self._step_completed: int | None = None
@@ -722,7 +237,7 @@ class Reconciler:
         """The newest view of its (source, partition); the open start also keeps the train windows the judge
         compares with what was reported, and the last one stays for a lost window's size after a restart."""
         self.windows[(window.source, window.partition)] = window
-        if window.partition != "train":
+        if window.partition != TRAIN:
             return
         seen = Claim(window.source, window.total, window.observed_at, event_id)
         self._last_train_window = seen
@@ -731,7 +246,7 @@ class Reconciler:
             self._rederive()
 
     def _saved(self, event: CheckpointSaved, source: str, at: float) -> None:
-        if source != SourceName.CHECKPOINT:  # the checkpoint dir may hold an older run's checkpoint
+        if source != UNTIMED_SOURCE:  # the checkpoint dir may hold an older run's checkpoint
             self.trainer_step = event.step
             self._step_saved = max(event.step, self._step_saved or 0)
         current = self.checkpoint
@@ -824,7 +339,7 @@ class Reconciler:
             record = replace(record, compared=in_order([*self.records[obs.index].compared, *record.compared]))
         return record
 
-    def _before(self, step: int | None) -> Composition | None:
+    def _before(self, step: int | None) -> SavedCheckpoint | None:
         """The newest composition with TQ state saved before ``step``: what a lost window held at best."""
         steps = [
             s
@@ -873,11 +388,11 @@ def trainer_time(event: Event, source: str, received_at: float) -> float | None:
     (a catch-up, ``tqmon analyze``): its receipt is not the trainer's time, so it has none. Nor has a reading
     of the checkpoint dir: it may come before the log lines of the same time, or after a later save.
     """
-    if source == SourceName.CHECKPOINT:
+    if source == UNTIMED_SOURCE:
         return None
     if event.time is not None:
         return event.time.timestamp()
-    return received_at if source == SourceName.EVENTS else None
+    return received_at if source == PUSHED_SOURCE else None
 
 
 def _latest(current: float | None, candidate: float | None) -> float | None:

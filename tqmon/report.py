@@ -6,7 +6,7 @@ from collections.abc import Mapping, Sequence
 from datetime import UTC, datetime
 
 from tqmon.snapshot import ResumeRecord
-from tqmon.warmup import DOOM_REASONS, WarmupState
+from tqmon.warmup import WarmupState, unknown_doom_reasons
 
 
 def verdict(record: ResumeRecord) -> str:
@@ -36,10 +36,6 @@ def verdict(record: ResumeRecord) -> str:
     if record.warmup_state is WarmupState.UNKNOWN:
         return "incomplete: warmup decision not seen"
     return "ok" + caveat
-
-
-def unknown_doom_reasons(doomed: Mapping[str, int] | None) -> list[str]:
-    return [reason for reason in DOOM_REASONS if reason not in (doomed or {})]
 
 
 def deficit(record: ResumeRecord) -> str:

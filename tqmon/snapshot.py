@@ -8,7 +8,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from tqmon.cost import ResumeCost
-from tqmon.warmup import WarmupState
+from tqmon.warmup import TRAIN, WarmupState
 
 
 class SourceName(enum.StrEnum):
@@ -20,6 +20,13 @@ class SourceName(enum.StrEnum):
     JSONL = "jsonl"
     EVENTS = "events"
     REPLAY_BUFFER = "replay_buffer"  # the verl plugin's window after each replay buffer sync
+
+
+# The trainer-time rule (tqmon.reconcile.trainer_time, and the store's retention query built from the same names):
+# a reading of the checkpoint dir is not the trainer's doing, so it has no trainer time and its checkpoint is
+# not a step the trainer saved; an event pushed to the API is posted as it happens, so its receipt is its time.
+UNTIMED_SOURCE = SourceName.CHECKPOINT
+PUSHED_SOURCE = SourceName.EVENTS
 
 
 class Tally(enum.StrEnum):
@@ -232,8 +239,12 @@ class Snapshot:
         """Until when ``source`` has a fresh window (the TQ poll backs off while the plugin's is); None: none yet."""
         return max((self.fresh_until(w) for w in self.windows if w.source == source), default=None)
 
+    def train_window(self, now: float) -> WindowView | None:
+        """The prefetch window served now (the train partition's fresh window), if any."""
+        return next((w for w in self.fresh_windows(now) if w.partition == TRAIN), None)
+
     def window_status(self, now: float) -> str:
-        train = next((w for w in self.fresh_windows(now) if w.partition == "train"), None)
+        train = self.train_window(now)
         if train is None or self.target_window is None:
             return "unknown"
         if train.total < self.target_window:

@@ -26,7 +26,7 @@ from pathlib import Path
 from pydantic import ValidationError
 
 from tqmon.events import Event, dump_event, load_event
-from tqmon.snapshot import StateHealth
+from tqmon.snapshot import PUSHED_SOURCE, UNTIMED_SOURCE, StateHealth
 from tqmon.statelock import StateError, StateLock
 
 DB_NAME = "tqmon.sqlite3"
@@ -74,15 +74,15 @@ DELETE FROM counters WHERE name LIKE 'tqmon!_%!_total' ESCAPE '!';
 """
 V1_TABLES = {"events", "counters", "cursors"}  # run_binding came late in v1: a v1 store may lack it
 # What the reconciler reads from before a start, for the resume's cost (tqmon.cost): the last step the trainer
-# completed, the last it saved, and its latest timed event (reconcile.trainer_time: the event's time, or the
-# receipt of a posted one). Retention keeps, before every retained start, the first event of each (condition,
-# order).
+# completed, the last it saved, and its latest timed event (reconcile.trainer_time, by the sources named in
+# tqmon.snapshot: the event's time, or the receipt of a pushed one). Retention keeps, before every retained
+# start, the first event of each (condition, order).
 BEFORE_START = (
     ("type = 'step_completed'", "seq DESC"),
-    ("type = 'checkpoint_saved' AND source != 'checkpoint'", "seq DESC"),
+    (f"type = 'checkpoint_saved' AND source != '{UNTIMED_SOURCE}'", "seq DESC"),
     (
-        "type != 'run_started' AND source != 'checkpoint' "
-        "AND (source = 'events' OR json_extract(body, '$.time') IS NOT NULL)",
+        f"type != 'run_started' AND source != '{UNTIMED_SOURCE}' "
+        f"AND (source = '{PUSHED_SOURCE}' OR json_extract(body, '$.time') IS NOT NULL)",
         "coalesce(julianday(json_extract(body, '$.time')), 2440587.5 + received_at / 86400.0) DESC",
     ),
 )

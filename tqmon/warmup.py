@@ -7,6 +7,7 @@ verl 0.9.1 line for line, so tqmon's expected numbers are verl's numbers. No I/O
 from __future__ import annotations
 
 import enum
+import json
 import math
 import re
 from collections.abc import Iterable, Mapping, Sequence
@@ -26,6 +27,8 @@ DoomReason = Literal["failure", "stale", "filtered"]
 DOOM_REASONS: tuple[DoomReason, ...] = get_args(DoomReason)
 Partition = Literal["train", "val"]  # the TransferQueue partitions verl uses: training and validation
 PARTITIONS: tuple[Partition, ...] = get_args(Partition)
+TRAIN: Partition = "train"  # the partition of the prefetch window; the only one the warmup fills
+TQ_DIR = "transfer_queue"  # the folder of a checkpoint that holds TransferQueue's state
 SkipReason = Literal["window_full", "sync_mode", "skip_rollout_tq", "non_positive_warmup"]
 
 
@@ -185,6 +188,47 @@ def target_window(config: WarmupConfig) -> int:
         return 0
     gbs = config.effective_gen_batch_size
     return math.floor(config.num_warmup_batches * config.train_batch_size / gbs) * gbs
+
+
+# verl 0.9.1's defaults for the settings that decide evictions (ppo_trainer.yaml: max_off_policy_threshold 8,
+# max_off_policy_strategy drop, algorithm.filter_groups.enable False). T's settings are placeholders that the
+# doom classification never reads.
+VERL_EVICTION_DEFAULTS = WarmupConfig(trainer_mode="colocate_async", train_batch_size=1, num_warmup_batches=0)
+EVICTION_SETTINGS = ("max_off_policy_threshold", "max_off_policy_strategy", "filter_groups")
+
+
+def eviction_rules(config: WarmupConfig | None, per_group: bool) -> tuple[WarmupConfig, tuple[str, ...]]:
+    """The config that decides which restored groups are doomed, and the verl defaults it assumed (named
+    ``setting=value``): without the trainer config, verl's defaults make filtered computable, and stale too
+    when the groups' steps (``per_group``) are known."""
+    if config is not None:
+        return config, ()
+    defaults = VERL_EVICTION_DEFAULTS.model_dump()
+    used = EVICTION_SETTINGS if per_group else ("filter_groups",)
+    return VERL_EVICTION_DEFAULTS, tuple(f"{name}={_setting(defaults[name])}" for name in used)
+
+
+def _setting(value: object) -> str:
+    """A setting's value as verl's YAML writes it (``false``, ``null``, ``drop``)."""
+    return json.dumps(value) if value is None or isinstance(value, bool) else str(value)
+
+
+def restores_tq(config: WarmupConfig | None) -> bool:
+    """verl loads TransferQueue state on a resume in the async modes only (sync mode keeps no window)."""
+    return config is None or config.trainer_mode != "sync"
+
+
+def window_target(config: WarmupConfig | None) -> int | None:
+    """T, or None where verl defines none: its warmup returns before computing one when ``skip.rollout_tq``
+    is on (it replays cached rollouts) or ``num_warmup_batches <= 0``. Sync mode keeps no window, and
+    verl's warmup counts its T as 0 there."""
+    if config is None:
+        return None
+    if not restores_tq(config):
+        return 0
+    if config.skip_rollout_tq or config.num_warmup_batches <= 0:
+        return None
+    return target_window(config)
 
 
 @dataclass(frozen=True, slots=True)
@@ -363,9 +407,15 @@ def is_zero_variance(values: Sequence[float]) -> bool:
     return all((v - mean) * (v - mean) == 0.0 for v in values)
 
 
+def unknown_doom_reasons(doomed: Mapping[str, int] | None) -> list[DoomReason]:
+    """The doom reasons not known (each counts as 0), in verl's order; all of them when none is known."""
+    return [reason for reason in DOOM_REASONS if reason not in (doomed or {})]
+
+
 def doomed_complete(doomed: Mapping[str, int] | None) -> bool:
-    """Every doom reason is known, so the deficit computed from them is exact."""
-    return doomed is not None and set(doomed) >= set(DOOM_REASONS)
+    """Every doom reason is known, so the deficit computed from them is exact: the one place that decides
+    (the record's ``under_submitted_lower_bound``, which the views read, comes from here)."""
+    return doomed is not None and not unknown_doom_reasons(doomed)
 
 
 def under_submitted(target: int, restored: int, doomed: int, submitted: int) -> int:

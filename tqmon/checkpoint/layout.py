@@ -25,14 +25,13 @@ from tqmon.checkpoint.storage import FilterVerdicts, filter_verdicts, with_verdi
 from tqmon.checkpoint.unpickler import TRUNCATED, CheckpointError, PartitionState, restricted_load
 from tqmon.composition import EMPTY, Composition, CompositionError, Progress, ProgressFactory, compose
 from tqmon.events import CheckpointSaved
+from tqmon.warmup import TQ_DIR, TRAIN
 
 LATEST_FILE = "latest_checkpointed_iteration.txt"
 STEP_DIR = "global_step_{}"
 STEP_PATTERN = re.compile(r"global_step_(\d+)")
-TQ_DIR = "transfer_queue"
 METADATA_FILE = "metadata.json"
 CONTROLLER_FILE = "controller_state.pkl"
-TRAIN = "train"
 # A controller_state.pkl or storage unit at least this big gets progress bars in ``tqmon inspect``
 # (~125 bytes per key).
 LARGE_CHECKPOINT_BYTES = 4 << 20

@@ -7,12 +7,12 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
-from tqmon.checkpoint.layout import LATEST_FILE, STEP_DIR, TQ_DIR, CheckpointReading
+from tqmon.checkpoint.layout import LATEST_FILE, STEP_DIR, CheckpointReading
 from tqmon.checkpoint.storage import FilterVerdicts
-from tqmon.reconcile import predict_resume
+from tqmon.derivation import predict_resume
 from tqmon.report import deficit
 from tqmon.snapshot import ResumeRecord
-from tqmon.warmup import DOOM_REASONS, WarmupConfig, WarmupState, is_stale
+from tqmon.warmup import DOOM_REASONS, TQ_DIR, WarmupConfig, WarmupState, doomed_complete, is_stale
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,7 +93,7 @@ class Preflight:
 
     @property
     def doomed_complete(self) -> bool:
-        return set(self.doomed) == set(DOOM_REASONS)
+        return doomed_complete(self.record.doomed)
 
     @property
     def notes(self) -> tuple[str, ...]:
@@ -187,7 +187,8 @@ class Preflight:
             "over_restored": self.over_restored,
             "useful_after_warmup": self.useful,
             "under_submitted": self.under_submitted,
-            "under_submitted_is_lower_bound": self.under_submitted is not None and not self.doomed_complete,
+            "under_submitted_is_lower_bound": self.under_submitted is not None
+            and self.record.under_submitted_lower_bound,
             "assumed_defaults": list(self.record.assumed_defaults),
             "controller_state_bytes": self.reading.size_bytes,
             "saved_at": self.reading.saved_at_ns / 1e9,

@@ -15,7 +15,7 @@ from datetime import UTC, datetime
 from tqmon.conditions import Condition, ConditionState, evaluate
 from tqmon.report import verdict
 from tqmon.snapshot import CheckpointView, Evidence, ResumeRecord, Snapshot, SourceHealth, Tally, WindowView
-from tqmon.warmup import DOOM_REASONS, PROMPT_STATUSES, WarmupState
+from tqmon.warmup import DOOM_REASONS, PROMPT_STATUSES, TRAIN, WarmupState, doomed_complete, unknown_doom_reasons
 
 REFRESH_SECONDS = 5
 RECENT_STARTS = 10  # starts shown in the table, newest last
@@ -145,7 +145,7 @@ def _doomed_total(doomed: Mapping[str, int] | None) -> str:
     """The doomed total, ``≥`` when some reason is not known (it counts as 0), a dash when none is."""
     if not doomed:
         return _num(None)
-    bound = "" if set(doomed) >= set(DOOM_REASONS) else "≥ "
+    bound = "" if doomed_complete(doomed) else "≥ "
     return f"{bound}{_e(sum(doomed.values()))}"
 
 
@@ -156,17 +156,12 @@ def _doomed(doomed: Mapping[str, int] | None) -> str:
     return f"{parts} <span class='muted'>(total {_doomed_total(doomed)})</span>"
 
 
-def unknown_reasons(doomed: Mapping[str, int] | None) -> list[str]:
-    return [reason for reason in DOOM_REASONS if reason not in (doomed or {})]
-
-
 def _deficit(record: ResumeRecord) -> str:
     """The deficit with whether it is exact: unknown doomed reasons count as 0, which makes it a lower bound."""
     if record.under_submitted is None:
         return f'<span data-k="deficit">{_num(None)}</span>'
-    missing = unknown_reasons(record.doomed)
-    if missing:
-        why = f"doomed {', '.join(missing)} not known, counted as 0"
+    if record.under_submitted_lower_bound:
+        why = f"doomed {', '.join(unknown_doom_reasons(record.doomed))} not known, counted as 0"
         return (
             f'<span data-k="deficit">≥ {_e(record.under_submitted)}</span> '
             f'<span class="tag lower" data-k="deficit-kind" title="{_e(why)}">lower bound</span>'
@@ -257,8 +252,9 @@ def _story(record: ResumeRecord) -> str:
         lines.append(f"No target window T is known ({_e(record.warmup_state)}).")
     lines.append(f"Doomed at the first sample after the start: {_doomed(record.doomed)}.")
     if record.under_submitted is not None:
-        missing = unknown_reasons(record.doomed)
-        bound = f" — a lower bound: doomed {', '.join(missing)} not known, counted as 0" if missing else " — exact"
+        missing = ", ".join(unknown_doom_reasons(record.doomed))
+        bound = f" — a lower bound: doomed {missing} not known, counted as 0"
+        bound = bound if record.under_submitted_lower_bound else " — exact"
         lines.append(f"Deficit max(0, T − (R − doomed + M)) = {_e(record.under_submitted)}{_e(bound)}.")
     if record.warmup_state is WarmupState.LOST_WINDOW:
         lost = "an unknown number of" if record.cost.lost_prompt_groups is None else _e(record.cost.lost_prompt_groups)
@@ -361,7 +357,7 @@ def _window(window: WindowView, target: int | None, status: str, now: float) -> 
     extra = ""
     if window.trajectories is not None:
         extra = f"; {_e(window.trajectories)} trajectories, {_num(window.orphan_trajectories)} orphaned"
-    verdict_of_train = f' — <b data-k="window-status">{_e(status)}</b>' if window.partition == "train" else ""
+    verdict_of_train = f' — <b data-k="window-status">{_e(status)}</b>' if window.partition == TRAIN else ""
     return (
         f'<div class="window" data-partition="{_e(window.partition)}"><b>{_e(window.partition)}</b>: '
         f'<span data-k="window-total">{_e(window.total)}</span> prompt groups{against}{verdict_of_train}'
@@ -371,7 +367,7 @@ def _window(window: WindowView, target: int | None, status: str, now: float) -> 
 
 
 def _windows(snapshot: Snapshot, now: float) -> str:
-    windows = sorted(snapshot.fresh_windows(now), key=lambda w: w.partition != "train")
+    windows = sorted(snapshot.fresh_windows(now), key=lambda w: w.partition != TRAIN)
     if not windows:
         body = (
             '<p class="muted">No fresh live window: no source reported one within the last '
@@ -381,7 +377,7 @@ def _windows(snapshot: Snapshot, now: float) -> str:
     else:
         status = snapshot.window_status(now)
         body = "".join(
-            _window(w, snapshot.target_window if w.partition == "train" else None, status, now) for w in windows
+            _window(w, snapshot.target_window if w.partition == TRAIN else None, status, now) for w in windows
         )
         body += _legend((*PROMPT_STATUSES, "unknown"))
     return f'<section id="window"><h2>Live prefetch window</h2>{body}</section>'

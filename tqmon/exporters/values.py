@@ -75,7 +75,7 @@ def _counter(spec: MetricSpec, snapshot: Snapshot, sources: tuple[str, ...]) -> 
 def metric_values(snapshot: Snapshot, now: float) -> Iterator[tuple[MetricSpec, list[Series] | list[HistogramSeries]]]:
     """Yield (spec, series) for every catalog metric that has something to say; in catalog order."""
     windows = snapshot.fresh_windows(now)
-    train = next((w for w in windows if w.partition == "train"), None)
+    train = snapshot.train_window(now)
     record = snapshot.last_record
     checkpoint = snapshot.checkpoint
     sources = tuple(s.source for s in snapshot.sources)

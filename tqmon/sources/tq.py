@@ -33,7 +33,6 @@ from tqmon.warmup import PARTITIONS
 
 CONTROLLER_NAME = "TransferQueueController"
 CONTROLLER_NAMESPACE = "transfer_queue"
-TRAIN = "train"
 MIN_HORIZON = 30.0  # seconds a poll stays fresh at least
 FEEDER = SourceName.REPLAY_BUFFER  # the source (the verl plugin) whose fresh window turns the poll into a cross-check
 STARTUP_GRACE = 60.0  # a new poller process imports Ray and TransferQueue and joins the cluster
