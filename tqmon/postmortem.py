@@ -10,7 +10,7 @@ from __future__ import annotations
 import functools
 import json
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, tzinfo
 from pathlib import Path
@@ -19,6 +19,7 @@ from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 from tqmon.checkpoint.layout import STEP_DIR, read_checkpoint
 from tqmon.checkpoint.unpickler import CheckpointError
 from tqmon.events import Event
+from tqmon.service import SOURCES, ServiceConfig
 from tqmon.snapshot import ResumeRecord, SourceName
 from tqmon.sources.logfile import parse_chunk, parse_jsonl, read_lines
 from tqmon.sources.logparse import LOG_HEADER, clean, parse_line
@@ -151,6 +152,47 @@ def _step_dir(path: Path) -> bool:
     return path.is_dir() and path.name.rsplit("_", 1)[1].isdigit()
 
 
+@dataclass
+class Reading:
+    """What reading one source whole gave: its events in the order to apply them, and what to tell."""
+
+    events: list[Event] = field(default_factory=list)
+    malformed: int = 0
+    notes: list[str] = field(default_factory=list)
+
+
+def _read_checkpoints(config: ServiceConfig, _zone: LogZone) -> Reading:
+    assert config.checkpoint_dir is not None
+    metric = config.trainer.config.dapo_metric if config.trainer is not None else None
+    events, notes = checkpoint_events(config.checkpoint_dir, metric)
+    return Reading(events, 0, notes)
+
+
+def _read_logs(config: ServiceConfig, zone: LogZone) -> Reading:
+    per_file = [(path, read_log(path, zone)) for path in config.log]
+    ordered, note = in_time_order([(path, events) for path, (events, _) in per_file])
+    return Reading(ordered, sum(bad for _, (_, bad) in per_file), [note] if note is not None else [])
+
+
+def _read_jsonl(config: ServiceConfig, _zone: LogZone) -> Reading:
+    """verl truncates its JSONL file at every restart: it holds the last start's steps; its lines carry no time."""
+    reading = Reading()
+    for path in config.jsonl:
+        with open(path, "rb") as handle:
+            events, _outcomes, errors = parse_chunk(read_lines(handle, 0, final=True), path, parse_jsonl)
+        reading.events += events
+        reading.malformed += len(errors)
+    return reading
+
+
+# How analyze reads each file source of tqmon.service.SOURCES whole (a live TransferQueue has no past).
+READERS: dict[SourceName, Callable[[ServiceConfig, LogZone], Reading]] = {
+    SourceName.CHECKPOINT: _read_checkpoints,
+    SourceName.LOG: _read_logs,
+    SourceName.JSONL: _read_jsonl,
+}
+
+
 def analyze(
     logs: Sequence[str],
     *,
@@ -159,33 +201,19 @@ def analyze(
     given: GivenConfig | None = None,
     zone: LogZone,
 ) -> PostMortem:
-    """Fold the files into a tracker as ``serve`` would: checkpoints first (their compositions complete the
-    resumes that loaded them), then the logs in time order, then the JSONL metrics (verl truncates that file
-    at every restart, so it holds the last start's steps; its lines carry no time)."""
+    """Fold the files into a tracker as ``serve`` would, source by source in the order of
+    :data:`tqmon.service.SOURCES`, from the settings ``serve`` would have been given."""
+    config = ServiceConfig(log=tuple(logs), jsonl=tuple(jsonl), checkpoint_dir=checkpoint_dir, trainer=given)
     tracker = Tracker(StateStore(None), given=given)
-    notes: list[str] = []
-    if checkpoint_dir is not None:
-        tracker.register_source(SourceName.CHECKPOINT, stale_after=None)
-        events, skipped = checkpoint_events(checkpoint_dir, given.config.dapo_metric if given is not None else None)
-        notes += skipped
-        tracker.ingest(events, SourceName.CHECKPOINT)
-    tracker.register_source(SourceName.LOG, stale_after=None)
-    per_file: list[tuple[str, list[Event]]] = []
-    malformed = 0
-    for path in logs:
-        events, bad = read_log(path, zone)
-        per_file.append((path, events))
-        malformed += bad
-    ordered, note = in_time_order(per_file)
-    if note is not None:
-        notes.append(note)
-    tracker.ingest(ordered, SourceName.LOG)
-    applied = len(ordered)
-    if jsonl:
-        tracker.register_source(SourceName.JSONL, stale_after=None)
-    for path in jsonl:
-        with open(path, "rb") as handle:
-            events, _outcomes, errors = parse_chunk(read_lines(handle, 0, final=True), path, parse_jsonl)
-        tracker.ingest(events, SourceName.JSONL)
-        malformed += len(errors)
+    malformed, applied, notes = 0, 0, []  # applied: the log's events (each line read twice counts once)
+    for spec in SOURCES:
+        read = READERS.get(spec.name)
+        if read is None or not spec.enabled(config):
+            continue
+        reading = read(config, zone)
+        tracker.register_source(spec.name, stale_after=None)
+        tracker.ingest(reading.events, spec.name)
+        malformed += reading.malformed
+        notes += reading.notes
+        applied += len(reading.events) if spec.name == SourceName.LOG else 0
     return PostMortem(tracker.snapshot.records, malformed, zone, applied, notes)

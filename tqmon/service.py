@@ -178,6 +178,51 @@ class ServiceConfig:
             raise ConfigError(str(err)) from None
 
 
+@dataclass(frozen=True, slots=True)
+class SourceSpec:
+    """One source declared once: whether the settings ask for it and how it is built to follow the trainer.
+
+    ``serve`` builds every enabled one; ``tqmon analyze`` reads the enabled file sources whole from the same
+    settings (:data:`tqmon.postmortem.READERS`). Adding a source: its module, its :class:`SourceName`, its
+    settings in :class:`ServiceConfig`, one entry here (and a reader if it can be read after the fact).
+    """
+
+    name: SourceName
+    enabled: Callable[[ServiceConfig], bool]
+    follow: Callable[[ServiceConfig, Tracker], Source]
+
+
+def _checkpoint(config: ServiceConfig, tracker: Tracker) -> Source:
+    assert config.checkpoint_dir is not None
+    metric = config.trainer.config.dapo_metric if config.trainer else None
+    return CheckpointSource(config.checkpoint_dir, tracker, interval=config.checkpoint_interval, filter_metric=metric)
+
+
+def _log(config: ServiceConfig, tracker: Tracker) -> Source:
+    return LogSource(config.log_patterns, tracker, interval=config.log_interval)
+
+
+def _jsonl(config: ServiceConfig, tracker: Tracker) -> Source:
+    return LogSource(
+        config.jsonl_patterns, tracker, interval=config.log_interval, source=SourceName.JSONL, parse=parse_jsonl
+    )
+
+
+def _tq(config: ServiceConfig, tracker: Tracker) -> Source:
+    assert config.ray_address is not None
+    return TQSource(tracker, PollerProcess(config.ray_address, config.tq_timeout), PollBudget(config.tq))
+
+
+# In the order analyze reads them: checkpoints first (their compositions complete the resumes that loaded
+# them), then the logs, then the JSONL metrics (they carry no time).
+SOURCES: tuple[SourceSpec, ...] = (
+    SourceSpec(SourceName.CHECKPOINT, lambda c: c.checkpoint_dir is not None, _checkpoint),
+    SourceSpec(SourceName.LOG, lambda c: bool(c.log_patterns), _log),
+    SourceSpec(SourceName.JSONL, lambda c: bool(c.jsonl_patterns), _jsonl),
+    SourceSpec(SourceName.TQ, lambda c: bool(c.ray_address), _tq),
+)
+
+
 class Service:
     """Sources feed the tracker; the registry renders the tracker's snapshot."""
 
@@ -214,35 +259,7 @@ class Service:
             log.info("restored %d events from %s", replayed, self.store.path)
         self.tracker.register_source(SourceName.EVENTS, stale_after=None)
         self.retention = Retention(self.tracker, self.store, config.retain)
-        self.log_source = (
-            LogSource(config.log_patterns, self.tracker, interval=config.log_interval) if config.log_patterns else None
-        )
-        self.jsonl_source = (
-            LogSource(
-                config.jsonl_patterns,
-                self.tracker,
-                interval=config.log_interval,
-                source=SourceName.JSONL,
-                parse=parse_jsonl,
-            )
-            if config.jsonl_patterns
-            else None
-        )
-        self.checkpoint_source = (
-            CheckpointSource(
-                config.checkpoint_dir,
-                self.tracker,
-                interval=config.checkpoint_interval,
-                filter_metric=config.trainer.config.dapo_metric if config.trainer else None,
-            )
-            if config.checkpoint_dir is not None
-            else None
-        )
-        self.tq_source = (
-            TQSource(self.tracker, PollerProcess(config.ray_address, config.tq_timeout), PollBudget(config.tq))
-            if config.ray_address
-            else None
-        )
+        self.sources: list[Source] = [spec.follow(config, self.tracker) for spec in SOURCES if spec.enabled(config)]
         current = self.otlp.current if self.otlp is not None else (lambda: self.tracker.snapshot)
         self.registry: CollectorRegistry = build_registry(current, process_metrics=config.process_metrics)
 
@@ -252,11 +269,6 @@ class Service:
         config = self.config
         run_id = config.trainer.run_id if config.trainer is not None else ""
         return run_identity(run_id, config.checkpoint_dir, config.log_patterns, config.jsonl_patterns)
-
-    @property
-    def sources(self) -> list[Source]:
-        candidates = (self.log_source, self.jsonl_source, self.checkpoint_source, self.tq_source)
-        return [source for source in candidates if source is not None]
 
     def start(self) -> None:
         self.retention.start()

@@ -39,6 +39,11 @@ class Tally(enum.StrEnum):
     PICKLE_REFUSALS = "checkpoint_pickle_refusals"  # (reason,): a controller_state.pkl refused before unpickling
 
 
+# The tallies only one source counts: exported while that source runs (an absent source's counter is no data,
+# not a misleading 0).
+TALLY_OWNERS = {Tally.LOG_LINES: SourceName.LOG, Tally.PICKLE_REFUSALS: SourceName.CHECKPOINT}
+
+
 @dataclass(frozen=True, slots=True)
 class Evidence:
     """One fact a source reported about a resume: which source said what, and when."""

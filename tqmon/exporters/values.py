@@ -10,7 +10,7 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 
 from tqmon.catalog import BY_NAME, OTLP_SIGNALS, STATE_WRITE_FAILURE_REASONS, MetricSpec
-from tqmon.snapshot import ResumeRecord, Snapshot, SourceName, Tally
+from tqmon.snapshot import TALLY_OWNERS, ResumeRecord, Snapshot, Tally
 from tqmon.warmup import PROMPT_STATUSES
 
 Labels = tuple[str, ...]
@@ -155,12 +155,10 @@ def metric_values(snapshot: Snapshot, now: float) -> Iterator[tuple[MetricSpec, 
             "tqmon_tq_reply_keys": _opt(tq.reply_keys),
             "tqmon_tq_controller_epochs_total": [Series((), tq.epochs)],
         }
-    for name in TALLIES:
-        values[name] = _counter(BY_NAME[name], snapshot, sources)
-    if SourceName.LOG not in sources:
-        values.pop("tqmon_log_lines_total", None)
-    if SourceName.CHECKPOINT not in sources:
-        values.pop("tqmon_checkpoint_pickle_refusals_total", None)
+    for name, tally in TALLIES.items():
+        owner = TALLY_OWNERS.get(tally)
+        if owner is None or owner in sources:
+            values[name] = _counter(BY_NAME[name], snapshot, sources)
     if snapshot.otlp is None:  # OTLP push is off
         values.pop("tqmon_otlp_export_failures_total", None)
     else:
