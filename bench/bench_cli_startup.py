@@ -3,15 +3,16 @@
 Each command runs in a fresh interpreter, two ways, interleaved so that both see the same load: as shipped
 (``tqmon.cli`` loads the demo, the simulator and, in ``serve``, FastAPI and uvicorn only when they run), and
 eager, as the CLI was before issue 19: the modules its top imported (``tqmon.server``, ``tqmon.sim.cli``)
-first, then the same command. Printed per command: the median and best wall time of ``--runs`` runs, their
-ratios (the best is the steadier on a loaded machine), and the modules each way imported (counted from one
-``python -X importtime`` run).
+first, then the same command. Printed per command: the medians of ``--runs`` runs' wall time and CPU time
+(user + system; the steadier one on a loaded machine), their ratios, and the modules each way imported
+(counted from one ``python -X importtime`` run).
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import resource
 import statistics
 import subprocess
 import sys
@@ -37,10 +38,14 @@ def run(args: list[str]) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, *args], env=env, capture_output=True, text=True, timeout=120, check=True)
 
 
-def seconds(args: list[str]) -> float:
+def seconds(args: list[str]) -> tuple[float, float]:
+    """(wall, CPU) seconds of one run; the CPU time (user + system) hardly moves with the machine's load."""
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
     started = time.perf_counter()
     run(args)
-    return time.perf_counter() - started
+    wall = time.perf_counter() - started
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return wall, (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
 
 
 def modules(args: list[str]) -> int:
@@ -55,23 +60,26 @@ def main() -> None:
     args = parser.parse_args()
     print(f"load average {os.getloadavg()[0]:.2f}; {args.runs} runs each, interleaved; eager = {', '.join(EAGER)}")
     header = (
-        f"{'command':<18} | {'lazy median s':>13} {'best':>6} {'modules':>7} "
-        f"| {'eager median s':>14} {'best':>6} {'modules':>7} | {'eager/lazy median':>17} {'best':>6}"
+        f"{'command':<18} | {'lazy wall s':>11} {'CPU s':>6} {'modules':>7} "
+        f"| {'eager wall s':>12} {'CPU s':>6} {'modules':>7} | {'eager/lazy wall':>15} {'CPU':>6}"
     )
     print(header)
     print("-" * len(header))
     for command in COMMANDS:
         lazy, eager = program(command, eager=False), program(command, eager=True)
         run(lazy), run(eager)  # warm the file cache and the bytecode
-        times: dict[bool, list[float]] = {False: [], True: []}
+        samples: dict[bool, list[tuple[float, float]]] = {False: [], True: []}
         for _ in range(args.runs):
-            times[False].append(seconds(lazy))
-            times[True].append(seconds(eager))
-        (lazy_s, lazy_best), (eager_s, eager_best) = ((statistics.median(t), min(t)) for t in times.values())
+            samples[False].append(seconds(lazy))
+            samples[True].append(seconds(eager))
+        (lazy_wall, lazy_cpu), (eager_wall, eager_cpu) = (
+            (statistics.median(wall for wall, _ in runs), statistics.median(cpu for _, cpu in runs))
+            for runs in samples.values()
+        )
         print(
-            f"{'tqmon ' + ' '.join(command):<18} | {lazy_s:>13.3f} {lazy_best:>6.3f} {modules(lazy):>7} "
-            f"| {eager_s:>14.3f} {eager_best:>6.3f} {modules(eager):>7} "
-            f"| {eager_s / lazy_s:>16.2f}x {eager_best / lazy_best:>5.2f}x"
+            f"{'tqmon ' + ' '.join(command):<18} | {lazy_wall:>11.3f} {lazy_cpu:>6.3f} {modules(lazy):>7} "
+            f"| {eager_wall:>12.3f} {eager_cpu:>6.3f} {modules(eager):>7} "
+            f"| {eager_wall / lazy_wall:>14.2f}x {eager_cpu / lazy_cpu:>5.2f}x"
         )
     print(f"load average {os.getloadavg()[0]:.2f} at the end")
 
