@@ -224,7 +224,7 @@ def serve(trainer: TrainerFlags, **flags: Any) -> None:
     the live TransferQueue (--ray-address) and events the trainer posts. The trainer config is optional:
     --trainer-config or both --train-batch-size and --num-warmup-batches; a run_started event overrides either.
     """
-    from tqmon.server import serve_forever  # FastAPI and uvicorn: half of the CLI's startup, needed here only
+    from tqmon.server import serve_forever  # FastAPI and uvicorn: 40% of every command's startup if imported above
 
     config = replace(from_flags(ServiceConfig, flags), trainer=trainer.resolve())
     try:
