@@ -61,6 +61,7 @@ bench: $(BIN)/tqmon
 	$(BIN)/python bench/bench_tq_poll.py
 	$(BIN)/python bench/bench_verl_plugin.py
 	$(BIN)/python bench/bench_startup.py
+	$(BIN)/python bench/bench_cli_startup.py
 	$(BIN)/python bench/bench_verl_share.py
 	$(BIN)/python bench/bench_checkpoint_read.py
 	$(BIN)/python bench/bench_image.py

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import importlib
 import json
 import sys
 from collections.abc import Callable, Iterator
@@ -18,10 +19,7 @@ from pydantic.fields import FieldInfo
 
 from tqmon import __version__
 from tqmon.rules import RuleConfig
-from tqmon.server import serve_forever
-from tqmon.service import LISTEN_DEFAULT, ConfigError, ServiceConfig, StartupError
-from tqmon.sim.cli import sim
-from tqmon.sim.scenarios import SCENARIOS
+from tqmon.service import ConfigError, ServiceConfig, StartupError
 from tqmon.warmup import TRAINER_MODES, GivenConfig, TrainerConfig, verl_setting
 
 FC = TypeVar("FC", bound=Callable[..., Any])
@@ -32,14 +30,6 @@ class SettingError(click.ClickException):
     """A flag that cannot work: one line ``Error: ...`` (no usage block), exit status 2 like click's own."""
 
     exit_code = 2
-
-
-def parse_listen(value: str) -> tuple[str, int]:
-    """``HOST:PORT`` or ``[IPv6]:PORT``."""
-    try:
-        return ServiceConfig(listen=value).address
-    except ConfigError as err:
-        raise click.BadParameter(str(err)) from None
 
 
 def option(*decls: str, env: str, **kwargs: Any) -> Callable[[FC], FC]:
@@ -234,6 +224,8 @@ def serve(trainer: TrainerFlags, **flags: Any) -> None:
     the live TransferQueue (--ray-address) and events the trainer posts. The trainer config is optional:
     --trainer-config or both --train-batch-size and --num-warmup-batches; a run_started event overrides either.
     """
+    from tqmon.server import serve_forever  # FastAPI and uvicorn: 40% of every command's startup if imported above
+
     config = replace(from_flags(ServiceConfig, flags), trainer=trainer.resolve())
     try:
         serve_forever(config)
@@ -395,73 +387,6 @@ def _warn_if_elsewhere(config_path: Path, root: Path) -> None:
         )
 
 
-@main.command()
-@option(
-    "--scenario",
-    type=click.Choice(list(SCENARIOS)),
-    default="partial-restore",
-    show_default=True,
-    help="What the simulated trainer does before the preemption and at the resume (see `tqmon sim --help`).",
-    env="DEMO_SCENARIO",
-)
-@option("--listen", default=LISTEN_DEFAULT, show_default=True, help="HOST:PORT tqmon serves on.", env="LISTEN")
-@option(
-    "--step-seconds",
-    type=click.FloatRange(min=0.05),
-    default=1.0,
-    show_default=True,
-    help="Wall time of one simulated training step.",
-    env="DEMO_STEP_SECONDS",
-)
-@option(
-    "--steps-after-resume",
-    type=click.IntRange(min=1),
-    default=600,
-    show_default=True,
-    help="Steps the trainer runs after resuming (then it holds its TransferQueue until you stop the demo).",
-    env="DEMO_STEPS_AFTER_RESUME",
-)
-@option(
-    "--prometheus/--no-prometheus",
-    default=None,
-    help="Also run Prometheus on loopback with the alert rules [default: when `prometheus` is on PATH].",
-    env="DEMO_PROMETHEUS",
-)
-@option(
-    "--workdir",
-    type=click.Path(file_okay=False, path_type=Path),
-    default=None,
-    help="Keep the run (log, checkpoints, tqmon state, outputs) here; default: a temp dir removed on exit.",
-    env="DEMO_WORKDIR",
-)
-def demo(
-    scenario: str,
-    listen: str,
-    step_seconds: float,
-    steps_after_resume: int,
-    prometheus: bool | None,
-    workdir: Path | None,
-) -> None:
-    """Watch a preempted and resumed verl run on a real TransferQueue, live.
-
-    Starts a local Ray cluster, the simulated verl 0.9.1 trainer on a real TransferQueue in it, tqmon
-    attached to the live TQ, the trainer log and the checkpoint dir, and Prometheus with the alert rules
-    when it is installed; prints the URLs and a live summary. Ctrl-C stops everything it started.
-    """
-    from tqmon.demo import run_demo
-
-    if workdir is not None and workdir.exists() and any(workdir.iterdir()):
-        raise click.UsageError(f"--workdir {workdir} is not empty; give a fresh directory")
-    run_demo(
-        scenario,
-        parse_listen(listen),
-        step_seconds=step_seconds,
-        steps_after_resume=steps_after_resume,
-        prometheus=prometheus,
-        workdir=workdir,
-    )
-
-
 @main.command("rules")
 @option(
     "--output",
@@ -491,7 +416,40 @@ def rules_command(output: Path | None, **params: Any) -> None:
         click.echo(f"wrote {output}", err=True)
 
 
-main.add_command(sim)
+class LazyCommand(click.Command):
+    """A command whose module is imported only when it runs or shows its own help.
+
+    ``tqmon --help`` lists it from ``summary``, the command's first docstring line (a test holds the two
+    equal), so the sidecar's startup never imports the tooling behind it.
+    """
+
+    def __init__(self, name: str, target: str, summary: str) -> None:
+        super().__init__(name, help=summary)  # help, not short_help: click shortens it as it did the docstring
+        self.target = target  # "module:attribute"
+
+    def load(self) -> click.Command:
+        module, _, attribute = self.target.partition(":")
+        command: click.Command = getattr(importlib.import_module(module), attribute)
+        return command
+
+    def make_context(
+        self, info_name: str | None, args: list[str], parent: click.Context | None = None, **extra: Any
+    ) -> click.Context:
+        """The loaded command's context: click parses the arguments and invokes that command."""
+        return self.load().make_context(info_name, args, parent, **extra)
+
+
+# The simulator and the demo: tooling on a real TransferQueue (the tq extra), not the sidecar.
+main.add_command(
+    LazyCommand("demo", "tqmon.demo:demo", "Watch a preempted and resumed verl run on a real TransferQueue, live.")
+)
+main.add_command(
+    LazyCommand(
+        "sim",
+        "tqmon.sim.cli:sim",
+        "Simulate a verl 0.9.1 V1 async trainer on a real TransferQueue: a fresh start, a preemption, a resume.",
+    )
+)
 
 
 if __name__ == "__main__":

@@ -26,7 +26,10 @@ from typing import Any, TextIO
 
 import click
 
+from tqmon.cli import option
+from tqmon.extras import require_extra
 from tqmon.rules import render as render_rules
+from tqmon.service import LISTEN_DEFAULT, ConfigError, ServiceConfig
 from tqmon.sim.scenarios import CHECKPOINT_DIR, LOG_FILE, SCENARIOS
 from tqmon.warmup import PROMPT_STATUSES, TRAIN
 
@@ -326,3 +329,80 @@ def _free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return int(sock.getsockname()[1])
+
+
+# ---------------------------------------------------------------- the command
+
+
+def parse_listen(value: str) -> tuple[str, int]:
+    """``HOST:PORT`` or ``[IPv6]:PORT``."""
+    try:
+        return ServiceConfig(listen=value).address
+    except ConfigError as err:
+        raise click.BadParameter(str(err)) from None
+
+
+@click.command()
+@option(
+    "--scenario",
+    type=click.Choice(list(SCENARIOS)),
+    default="partial-restore",
+    show_default=True,
+    help="What the simulated trainer does before the preemption and at the resume (see `tqmon sim --help`).",
+    env="DEMO_SCENARIO",
+)
+@option("--listen", default=LISTEN_DEFAULT, show_default=True, help="HOST:PORT tqmon serves on.", env="LISTEN")
+@option(
+    "--step-seconds",
+    type=click.FloatRange(min=0.05),
+    default=1.0,
+    show_default=True,
+    help="Wall time of one simulated training step.",
+    env="DEMO_STEP_SECONDS",
+)
+@option(
+    "--steps-after-resume",
+    type=click.IntRange(min=1),
+    default=600,
+    show_default=True,
+    help="Steps the trainer runs after resuming (then it holds its TransferQueue until you stop the demo).",
+    env="DEMO_STEPS_AFTER_RESUME",
+)
+@option(
+    "--prometheus/--no-prometheus",
+    default=None,
+    help="Also run Prometheus on loopback with the alert rules [default: when `prometheus` is on PATH].",
+    env="DEMO_PROMETHEUS",
+)
+@option(
+    "--workdir",
+    type=click.Path(file_okay=False, path_type=Path),
+    default=None,
+    help="Keep the run (log, checkpoints, tqmon state, outputs) here; default: a temp dir removed on exit.",
+    env="DEMO_WORKDIR",
+)
+def demo(
+    scenario: str,
+    listen: str,
+    step_seconds: float,
+    steps_after_resume: int,
+    prometheus: bool | None,
+    workdir: Path | None,
+) -> None:
+    """Watch a preempted and resumed verl run on a real TransferQueue, live.
+
+    Starts a local Ray cluster, the simulated verl 0.9.1 trainer on a real TransferQueue in it, tqmon
+    attached to the live TQ, the trainer log and the checkpoint dir, and Prometheus with the alert rules
+    when it is installed; prints the URLs and a live summary. Ctrl-C stops everything it started.
+    """
+    require_extra("tq", "tqmon demo")
+    if workdir is not None and workdir.exists() and any(workdir.iterdir()):
+        raise click.UsageError(f"--workdir {workdir} is not empty; give a fresh directory")
+    run_demo(
+        scenario,
+        parse_listen(listen),
+        step_seconds=step_seconds,
+        steps_after_resume=steps_after_resume,
+        prometheus=prometheus,
+        workdir=workdir,
+    )

@@ -14,6 +14,7 @@ from prometheus_client import CollectorRegistry
 
 from tqmon.binding import Identity, StateDirTaken, bind, run_identity
 from tqmon.exporters.prometheus import build_registry
+from tqmon.extras import MissingExtra, require_extra
 from tqmon.file_sd import FileSDError, file_sd_target
 from tqmon.retention import Retention, RetentionPolicy
 from tqmon.snapshot import Snapshot, SourceName
@@ -171,6 +172,11 @@ class ServiceConfig:
             raise ConfigError(f"--checkpoint-interval must be positive, got {self.checkpoint_interval}")
         if self.tq_timeout <= 0:
             raise ConfigError(f"--tq-timeout must be positive, got {self.tq_timeout}")
+        if self.ray_address:
+            try:
+                require_extra("tq", "--ray-address")
+            except MissingExtra as err:
+                raise ConfigError(err.message) from None
         try:
             self.tq.validate()
             self.retain.validate()

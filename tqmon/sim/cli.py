@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import click
 
+from tqmon.extras import require_extra
 from tqmon.sim.scenarios import CHECKPOINT_DIR, LOG_FILE, SCENARIOS
 
 if TYPE_CHECKING:
@@ -140,6 +141,7 @@ def sim(
     if list_scenarios:
         click.echo(describe_scenarios())
         return
+    require_extra("tq", "tqmon sim")
     # Ray reads these when it is imported, with the trainer: torch, Ray and TransferQueue, which are imported
     # here so that `tqmon --help` does not wait for them.
     os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")  # keep Ray on 127.0.0.1
