@@ -23,7 +23,7 @@ from tqmon.service import ConfigError, ServiceConfig, StartupError
 from tqmon.warmup import TRAINER_MODES, GivenConfig, TrainerConfig, verl_setting
 
 FC = TypeVar("FC", bound=Callable[..., Any])
-T = TypeVar("T")
+SettingsT = TypeVar("SettingsT")  # a settings dataclass built from flags
 
 
 class SettingError(click.ClickException):
@@ -80,7 +80,7 @@ def settings_fields(cls: type, prefix: str = "") -> Iterator[tuple[str, Field[An
             yield prefix + spec.name, spec, hints[spec.name]
 
 
-def from_flags(cls: type[T], flags: dict[str, Any], prefix: str = "") -> T:
+def from_flags(cls: type[SettingsT], flags: dict[str, Any], prefix: str = "") -> SettingsT:
     """The settings dataclass ``cls`` from the values of its ``settings_options``."""
     hints = get_type_hints(cls)
     values: dict[str, Any] = {}
