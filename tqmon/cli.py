@@ -399,9 +399,10 @@ def _warn_if_elsewhere(config_path: Path, root: Path) -> None:
 @option(
     "--scenario",
     type=click.Choice(list(SCENARIOS)),
-    default="partial-restore",
+    default="miscounted-restore",
     show_default=True,
-    help="What the simulated trainer does before the preemption and at the resume (see `tqmon sim --help`).",
+    help="What the simulated trainer does before the preemption and at the resume (see `tqmon sim --help`); "
+    "the default leaves the window under-filled, so the under-filled alert fires and, once refilled, resolves.",
     env="DEMO_SCENARIO",
 )
 @option("--listen", default=LISTEN_DEFAULT, show_default=True, help="HOST:PORT tqmon serves on.", env="LISTEN")
@@ -424,7 +425,8 @@ def _warn_if_elsewhere(config_path: Path, root: Path) -> None:
 @option(
     "--prometheus/--no-prometheus",
     default=None,
-    help="Also run Prometheus on loopback with the alert rules [default: when `prometheus` is on PATH].",
+    help="Also run Prometheus on loopback with the alert rules, their for: shortened "
+    "[default: when `prometheus` is on PATH].",
     env="DEMO_PROMETHEUS",
 )
 @option(
@@ -446,7 +448,9 @@ def demo(
 
     Starts a local Ray cluster, the simulated verl 0.9.1 trainer on a real TransferQueue in it, tqmon
     attached to the live TQ, the trainer log and the checkpoint dir, and Prometheus with the alert rules
-    when it is installed; prints the URLs and a live summary. Ctrl-C stops everything it started.
+    (their for: shortened, so an alert fires while you watch) when it is installed; prints the URLs and a
+    live summary with each alert's pending, firing and resolved times. Once the under-filled alert has fired
+    a while the trainer refills its window and the alert resolves. Ctrl-C stops everything it started.
     """
     from tqmon.demo import run_demo
 
