@@ -398,6 +398,46 @@ def test_config_parameters_reach_the_rules() -> None:
     assert "http://g/d/tqmon-resume?" in text
 
 
+def test_shortened_rules_are_the_committed_rules_with_every_for_divided(tmp_path: Path) -> None:
+    """The demo's rules (``tqmon demo``): the committed production file with every ``for:`` divided by the factor,
+    the descriptions naming the shorter one, and nothing else changed."""
+    production = yaml.safe_load((repo_root() / RULES_FILE).read_text())["groups"][0]["rules"]
+    demo = rules.rule_groups(rules.shortened(rules.RuleConfig(), 30))["groups"][0]["rules"]
+    assert len(demo) == len(production)
+    for long, short in zip(production, demo, strict=True):
+        if "alert" not in long:
+            assert short == long
+            continue
+        assert rules.duration_seconds(short["for"]) * 30 == rules.duration_seconds(long["for"]), long["alert"]
+        assert {k: v for k, v in short.items() if k not in ("for", "annotations")} == {
+            k: v for k, v in long.items() if k not in ("for", "annotations")
+        }
+        description = long["annotations"]["description"].replace(long["for"], short["for"])
+        assert short["annotations"] == {**long["annotations"], "description": description}
+    durations = {rule["alert"]: rule["for"] for rule in demo if "alert" in rule}
+    assert durations["TQMonWindowUnderFilledAfterResume"] == "20s"  # 10m
+    assert durations["TQMonWarmupUnderSubmitted"] == "2s"  # 1m
+    assert durations["TQMonWindowOverTarget"] == "1m"  # 30m
+    demo_file = tmp_path / "demo-rules.yml"
+    demo_file.write_text(rules.render(rules.shortened(rules.RuleConfig(), 30)))
+    check_rules(demo_file)
+    assert rules.shortened(rules.RuleConfig(), 1) == rules.RuleConfig()
+    with pytest.raises(ValueError, match="factor must be at least 1"):
+        rules.shortened(rules.RuleConfig(), 0)
+
+
+@pytest.mark.parametrize(
+    ("duration", "seconds"), [("10m", 600), ("1h30m", 5400), ("250ms", 0.25), ("1d", 86400), ("90s", 90)]
+)
+def test_duration_seconds(duration: str, seconds: float) -> None:
+    assert rules.duration_seconds(duration) == seconds
+
+
+def test_duration_seconds_refuses_what_prometheus_would() -> None:
+    with pytest.raises(ValueError, match="not a Prometheus duration: '10 minutes'"):
+        rules.duration_seconds("10 minutes")
+
+
 def test_a_metric_missing_from_the_catalog_is_refused() -> None:
     with pytest.raises(KeyError, match="tqmon_no_such_metric"):
         rules._Selectors(rules.RuleConfig())("tqmon_no_such_metric")

@@ -2,12 +2,17 @@
 
 It starts a local Ray cluster, the simulated trainer (``tqmon sim``) on a real TQ inside it, ``tqmon serve``
 attached to the live TQ, the trainer log and the checkpoint dir and, when Debian's ``prometheus`` is on
-PATH, a Prometheus on loopback scraping tqmon with the shipped alert rules. A one-screen summary
-refreshes in the terminal. Ctrl-C (or SIGTERM) stops everything it started, Ray included.
+PATH, a Prometheus on loopback scraping tqmon with the shipped alert rules, every ``for:`` shortened
+``FOR_FACTOR`` times so that an alert fires while you watch. A one-screen summary refreshes in the terminal,
+with each alert's pending, firing and resolved times; once the under-filled alert has fired for a while the
+demo has the trainer refill its window (SIGUSR1), and the alert resolves. Ctrl-C (or SIGTERM) stops
+everything it started, Ray included.
 """
 
 from __future__ import annotations
 
+import functools
+import itertools
 import json
 import os
 import shutil
@@ -20,6 +25,7 @@ import urllib.request
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from datetime import datetime
 from pathlib import Path
 from types import FrameType
 from typing import Any, TextIO
@@ -28,6 +34,7 @@ import click
 
 from tqmon.cli import option
 from tqmon.extras import require_extra
+from tqmon.rules import RuleConfig, duration_seconds, rule_groups, shortened
 from tqmon.rules import render as render_rules
 from tqmon.service import LISTEN_DEFAULT, ConfigError, ServiceConfig
 from tqmon.sim.scenarios import CHECKPOINT_DIR, LOG_FILE, SCENARIOS
@@ -35,6 +42,9 @@ from tqmon.warmup import PROMPT_STATUSES, TRAIN
 
 CLEAR = "\x1b[H\x1b[2J"
 STOP_SECONDS = 20.0  # per child, before SIGKILL
+FOR_FACTOR = 30  # the demo's rules are the production rules with every for: divided by this: 10m -> 20s
+REFILL_ALERT = "TQMonWindowUnderFilledAfterResume"  # once it has fired for REFILL_AFTER s, the trainer refills
+REFILL_AFTER = 10.0
 
 
 @dataclass
@@ -59,6 +69,56 @@ class Child:
 
 
 @dataclass
+class AlertTimeline:
+    """Each alert's states as the demo saw them in Prometheus's /api/v1/alerts, and when they changed.
+
+    pending is Prometheus's own ``activeAt``; firing and resolved are the poll that first saw them, so they
+    are late by at most one refresh. An alert that leaves the list before it fired went back to inactive.
+    """
+
+    changes: dict[str, list[tuple[str, float]]] = field(default_factory=dict)  # alert -> (state, unix time)
+
+    def update(self, active: list[dict[str, Any]], now: float) -> None:
+        seen = {alert_key(alert["labels"]): alert for alert in active}
+        for key, alert in seen.items():
+            states = self.changes.setdefault(key, [])
+            if not states or states[-1][0] not in ("pending", "firing"):
+                states.append(("pending", datetime.fromisoformat(alert["activeAt"]).timestamp()))
+            if alert["state"] == "firing" and states[-1][0] != "firing":
+                states.append(("firing", now))
+        for key, states in self.changes.items():
+            if key not in seen and states[-1][0] in ("pending", "firing"):
+                states.append(("resolved" if states[-1][0] == "firing" else "inactive", now))
+
+    def firing_since(self, alertname: str) -> float | None:
+        states = self.changes.get(alertname)
+        return states[-1][1] if states and states[-1][0] == "firing" else None
+
+    def lines(self) -> list[str]:
+        """One line per alert: its changes, each with its time and the seconds since the one before."""
+        lines = []
+        for key, states in sorted(self.changes.items(), key=lambda item: item[1][0][1]):
+            parts = [f"{states[0][0]} {_clock(states[0][1])}"]
+            parts += [
+                f"{state} {_clock(at)} (+{at - before:.0f}s)" for (_, before), (state, at) in itertools.pairwise(states)
+            ]
+            lines.append(f"  {key}: {' → '.join(parts)}")
+        return lines
+
+
+def alert_key(labels: Mapping[str, str]) -> str:
+    """The alert's name and the labels that tell its instances apart (job, instance and severity do not here)."""
+    extra = ",".join(
+        f'{k}="{v}"' for k, v in sorted(labels.items()) if k not in ("alertname", "job", "instance", "severity")
+    )
+    return labels["alertname"] + (f"{{{extra}}}" if extra else "")
+
+
+def _clock(at: float) -> str:
+    return datetime.fromtimestamp(at).strftime("%H:%M:%S")
+
+
+@dataclass
 class Demo:
     scenario: str
     workdir: Path
@@ -67,6 +127,8 @@ class Demo:
     steps_after_resume: int
     prometheus_port: int | None  # None: no Prometheus
     children: list[Child] = field(default_factory=list)
+    timeline: AlertTimeline = field(default_factory=AlertTimeline)
+    refilled_at: float | None = None  # when the trainer was asked to refill its window
 
     @property
     def url(self) -> str:
@@ -124,15 +186,39 @@ class Demo:
         if self.prometheus_port is not None:
             self.spawn("prometheus", prometheus_command(self.workdir, self.prometheus_port, self.listen))
 
+    def refill_when_due(self, now: float) -> None:
+        """Once REFILL_ALERT has fired for REFILL_AFTER s, have the trainer fill its window up to T (once)."""
+        fired = self.timeline.firing_since(REFILL_ALERT)
+        if self.refilled_at is None and fired is not None and now - fired >= REFILL_AFTER:
+            trainer = next(c for c in self.children if c.name == "trainer")
+            trainer.proc.send_signal(signal.SIGUSR1)
+            self.refilled_at = now
+
     def stop(self) -> None:
         for child in reversed(self.children):  # Prometheus and tqmon first, the trainer (and its TQ) last
             child.stop()
 
 
+def demo_rules() -> str:
+    """The production rules, generated like deploy/prometheus/tqmon-rules.yml, with every for: shortened."""
+    header = f"# tqmon demo: the production rules with every for: divided by {FOR_FACTOR}.\n"
+    return header + render_rules(shortened(RuleConfig(), FOR_FACTOR))
+
+
+@functools.cache
+def for_line() -> str:
+    """What the screen says of the demo's for: against production's, read from both rule files' data."""
+    production = rule_groups(RuleConfig())["groups"][0]["rules"]
+    demo = rule_groups(shortened(RuleConfig(), FOR_FACTOR))["groups"][0]["rules"]
+    pairs = {(long["for"], short["for"]) for long, short in zip(production, demo, strict=True) if "alert" in long}
+    shown = ", ".join(f"{long} → {short}" for long, short in sorted(pairs, key=lambda p: duration_seconds(p[0])))
+    return f"alerts use for: shortened {FOR_FACTOR}× for the demo ({shown}); production rules use the long ones"
+
+
 def prometheus_command(workdir: Path, port: int, target: tuple[str, int]) -> list[str]:
-    """Prometheus on loopback scraping tqmon every 2 s with the shipped rules."""
+    """Prometheus on loopback scraping tqmon every 2 s with the demo's rules (:func:`demo_rules`)."""
     rules = workdir / "tqmon-rules.yml"
-    rules.write_text(render_rules())
+    rules.write_text(demo_rules())
     config = workdir / "prometheus.yml"
     config.write_text(
         "global:\n  scrape_interval: 2s\n  evaluation_interval: 2s\n"
@@ -186,7 +272,13 @@ def resume_line(record: Mapping[str, Any] | None) -> str:
     return f"last start: {start} · {numbers} · {record['warmup_state']}\n  verdict: {record['verdict']}"
 
 
-def summary(demo: Demo, status: Mapping[str, Any] | None, alerts: list[str] | None, problem: str | None = None) -> str:
+def refill_line(demo: Demo) -> str:
+    if demo.refilled_at is None:
+        return f"refill: once {REFILL_ALERT} has fired for {REFILL_AFTER:g} s, the trainer fills its window up to T"
+    return f"refill: the trainer was asked at {_clock(demo.refilled_at)} (SIGUSR1) to fill its window up to T"
+
+
+def summary(demo: Demo, status: Mapping[str, Any] | None, alerts_seen: bool, problem: str | None = None) -> str:
     """The one screen: where everything is, the live window against the target, the last start's verdict."""
     run = demo.workdir / "run"
     lines = [
@@ -209,8 +301,13 @@ def summary(demo: Demo, status: Mapping[str, Any] | None, alerts: list[str] | No
             window_line(status),
             resume_line(status["records"][-1] if status["records"] else None),
         ]
-    if alerts is not None:
-        lines.append("firing alerts: " + (", ".join(alerts) if alerts else "none"))
+    if demo.prometheus_url is not None:
+        state = "" if alerts_seen else " (Prometheus not answering)"
+        lines += [
+            for_line() + state,
+            *(demo.timeline.lines() or ["  no alert pending or firing yet"]),
+            refill_line(demo),
+        ]
     lines += ["", "Ctrl-C stops everything the demo started."]
     return "\n".join(lines)
 
@@ -221,19 +318,21 @@ def get_json(url: str) -> Any:
         return json.load(response)
 
 
-def poll(demo: Demo) -> tuple[dict[str, Any] | None, list[str] | None, str | None]:
+def poll(demo: Demo) -> tuple[dict[str, Any] | None, bool, str | None]:
+    """tqmon's status and, into the demo's timeline, Prometheus's alerts; (status, alerts read, problem)."""
+    alerts_seen = False
+    if demo.prometheus_url is not None:
+        try:
+            active = get_json(demo.prometheus_url + "/api/v1/alerts")["data"]["alerts"]
+            demo.timeline.update(active, time.time())
+            alerts_seen = True
+        except (OSError, KeyError, ValueError):  # not up yet: the timeline keeps what it knew
+            pass
     try:
         status = get_json(demo.url + "/api/v1/status")
     except (OSError, ValueError) as err:  # URLError and timeouts are OSErrors; a garbled body a ValueError
-        return None, None, str(err)
-    alerts: list[str] | None = None
-    if demo.prometheus_url is not None:
-        try:
-            body = get_json(demo.prometheus_url + "/api/v1/alerts")
-            alerts = sorted({a["labels"]["alertname"] for a in body["data"]["alerts"] if a["state"] == "firing"})
-        except (OSError, KeyError, ValueError):
-            alerts = None
-    return status, alerts, None
+        return None, alerts_seen, str(err)
+    return status, alerts_seen, None
 
 
 # ---------------------------------------------------------------- lifecycle
@@ -291,7 +390,9 @@ def run_demo(
             demo.start(gcs)
             try:
                 while True:
-                    draw(summary(demo, *poll(demo)))
+                    status, alerts_seen, problem = poll(demo)
+                    demo.refill_when_due(time.time())
+                    draw(summary(demo, status, alerts_seen, problem))
                     dead = [c for c in demo.children if not c.alive()]
                     if dead:
                         tail = dead[0].output.read_text(errors="replace")[-2000:]
@@ -346,9 +447,10 @@ def parse_listen(value: str) -> tuple[str, int]:
 @option(
     "--scenario",
     type=click.Choice(list(SCENARIOS)),
-    default="partial-restore",
+    default="miscounted-restore",
     show_default=True,
-    help="What the simulated trainer does before the preemption and at the resume (see `tqmon sim --help`).",
+    help="What the simulated trainer does before the preemption and at the resume (see `tqmon sim --help`); "
+    "the default leaves the window under-filled, so the under-filled alert fires and, once refilled, resolves.",
     env="DEMO_SCENARIO",
 )
 @option("--listen", default=LISTEN_DEFAULT, show_default=True, help="HOST:PORT tqmon serves on.", env="LISTEN")
@@ -371,7 +473,8 @@ def parse_listen(value: str) -> tuple[str, int]:
 @option(
     "--prometheus/--no-prometheus",
     default=None,
-    help="Also run Prometheus on loopback with the alert rules [default: when `prometheus` is on PATH].",
+    help="Also run Prometheus on loopback with the alert rules, their for: shortened "
+    "[default: when `prometheus` is on PATH].",
     env="DEMO_PROMETHEUS",
 )
 @option(
@@ -393,7 +496,9 @@ def demo(
 
     Starts a local Ray cluster, the simulated verl 0.9.1 trainer on a real TransferQueue in it, tqmon
     attached to the live TQ, the trainer log and the checkpoint dir, and Prometheus with the alert rules
-    when it is installed; prints the URLs and a live summary. Ctrl-C stops everything it started.
+    (their for: shortened, so an alert fires while you watch) when it is installed; prints the URLs and a
+    live summary with each alert's pending, firing and resolved times. Once the under-filled alert has fired
+    a while the trainer refills its window and the alert resolves. Ctrl-C stops everything it started.
     """
     require_extra("tq", "tqmon demo")
     if workdir is not None and workdir.exists() and any(workdir.iterdir()):

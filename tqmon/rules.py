@@ -9,7 +9,7 @@ an alert. Thresholds and selectors are fields of ``RuleConfig``.
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
 import yaml
@@ -20,6 +20,7 @@ RESUME_DASHBOARD_UID = "tqmon-resume"
 FLEET_DASHBOARD_UID = "tqmon-fleet"
 GROUP = "tqmon"
 DURATION = re.compile(r"(\d+(ms|s|m|h|d|w|y))+")
+DURATION_UNITS = {"ms": 0.001, "s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800, "y": 31536000}
 
 # Recording rules (level:metric:operations); the dashboards read them too.
 WINDOW_TOTAL = "tqmon:window_prompt_groups:sum"
@@ -70,6 +71,39 @@ class RuleConfig:
                 raise ValueError(f"{spec.name} must be a Prometheus duration like 10m or 1h30m, got {value!r}")
             if isinstance(value, int | float) and value < 0:
                 raise ValueError(f"{spec.name} must not be negative, got {value}")
+
+
+def duration_seconds(duration: str) -> float:
+    """A Prometheus duration (``1h30m``) in seconds."""
+    if not DURATION.fullmatch(duration):
+        raise ValueError(f"not a Prometheus duration: {duration!r}")
+    return sum(int(n) * DURATION_UNITS[unit] for n, unit in re.findall(r"(\d+)(ms|s|m|h|d|w|y)", duration))
+
+
+def _duration(seconds: float) -> str:
+    """Seconds as a Prometheus duration in the largest whole unit up to hours (``60`` → ``1m``)."""
+    ms = round(seconds * 1000)
+    for unit in ("h", "m", "s"):
+        size = round(DURATION_UNITS[unit] * 1000)
+        if ms and ms % size == 0:
+            return f"{ms // size}{unit}"
+    return f"{ms}ms"
+
+
+def shortened(config: RuleConfig, factor: int) -> RuleConfig:
+    """``config`` with every ``for:`` divided by ``factor``: the demo's rules, whose alerts fire while you watch.
+
+    Only the ``*_for`` durations change; ranges, lookbacks and thresholds stay, so every alert's condition is
+    the production one and only the time it must hold is shorter.
+    """
+    if factor < 1:
+        raise ValueError(f"factor must be at least 1, got {factor}")
+    durations: dict[str, Any] = {
+        spec.name: _duration(duration_seconds(getattr(config, spec.name)) / factor)
+        for spec in fields(config)
+        if spec.name.endswith("_for")
+    }
+    return replace(config, **durations)
 
 
 @dataclass(frozen=True, slots=True)

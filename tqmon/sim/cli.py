@@ -46,6 +46,21 @@ def stop_on_signals() -> Iterator[threading.Event]:
             signal.signal(sig, handler)
 
 
+@contextmanager
+def top_up_on_sigusr1() -> Iterator[threading.Event]:
+    """SIGUSR1 sets the event: the trainer fills its live window up to T at its next step."""
+    requested = threading.Event()
+
+    def handle(_signum: int, _frame: FrameType | None) -> None:
+        requested.set()
+
+    previous = signal.signal(signal.SIGUSR1, handle)
+    try:
+        yield requested
+    finally:
+        signal.signal(signal.SIGUSR1, previous)
+
+
 def connect(address: str | None) -> None:
     """Start a local Ray (4 logical CPUs: TQ's controller and storage unit need them) or join ``address``."""
     import ray
@@ -136,7 +151,8 @@ def sim(
 
     Writes verl's log lines and checkpoints into the workdir (point `tqmon serve --log WORKDIR/trainer.log
     --checkpoint-dir WORKDIR/checkpoints` and the scenario's trainer flags at them) and prints the simulator's
-    own view of each start (R, K, T, M, O, doomed, under-submitted) as JSON on stdout.
+    own view of each start (R, K, T, M, O, doomed, under-submitted) as JSON on stdout. SIGUSR1 makes the
+    trainer fill its live window up to T at its next step, as an operator would after an under-filled alert.
     """
     if list_scenarios:
         click.echo(describe_scenarios())
@@ -161,7 +177,7 @@ def sim(
 
     connect(ray_address)  # first: ray.init installs its own SIGTERM handler (exit 15), which ours replaces
     try:
-        with stop_on_signals() as stop:
+        with stop_on_signals() as stop, top_up_on_sigusr1() as top_up:
 
             def done(report: SimReport) -> None:
                 click.echo(json.dumps(report.to_json() | {"tqmon_flags": chosen.after.tqmon_flags()}))
@@ -178,6 +194,7 @@ def sim(
                 seed=seed,
                 should_stop=stop.wait,
                 on_done=done,
+                top_up=top_up,
             )
     except Stopped:
         click.echo("stopped before the run finished", err=True)

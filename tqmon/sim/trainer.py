@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import logging
 import random
+import sys
+import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -141,6 +143,7 @@ class TrainerProcess:
         seed: int,
         pause: Callable[[], None],
         console: logging.Logger | None = None,
+        top_up: threading.Event | None = None,
     ) -> None:
         self.settings = settings
         self.checkpoint_dir = workdir / CHECKPOINT_DIR
@@ -148,6 +151,7 @@ class TrainerProcess:
         self.console = console  # verl's console logger: a step's metrics, printed without a timestamp
         self.seed = seed
         self.pause = pause  # one step's (or one poll's) worth of wall time; raises Stopped
+        self.top_up = top_up  # set (SIGUSR1): fill the window up to T at the next step
         self.rollout = Rollout(scenario.rollout, settings.rollout_n, seed)
         self.replay = ReplayBuffer(settings, refill=self._add_prompts, wait=self._wait)
         self.global_steps = 0
@@ -164,6 +168,20 @@ class TrainerProcess:
         tags = [{"is_prompt": True, "status": "pending", "global_steps": self.global_steps} for _ in uids]
         tq.kv_batch_put(keys=uids, partition_id=PARTITION, tags=tags, fields=prompt_fields(indexes))
         self.rollout.generate(uids, indexes, self.global_steps)
+
+    def _top_up_window(self) -> None:
+        """Submit what the live window lacks of T, through the trainer's own submission path.
+
+        What a correct warmup would have submitted, done late, as an operator would once the under-filled
+        alert fired: the demo asks for it (SIGUSR1) to show that alert resolve.
+        """
+        if not self.settings.warmup_enabled:  # no T without the warmup: nothing to fill up to
+            return
+        target = self.settings.target_window
+        missing = max(0, target - len(Window.read().prompts))
+        if missing:
+            self._add_prompts(missing)
+        print(f"topped up the window by {missing} prompt groups to its target of {target}", file=sys.stderr, flush=True)
 
     def _wait(self, window: Window) -> None:
         log_window(self.log, window)
@@ -262,6 +280,9 @@ class TrainerProcess:
     def _step(self) -> Sample:
         b = self.settings.train_batch_size
         started = time.monotonic()
+        if self.top_up is not None and self.top_up.is_set():
+            self.top_up.clear()
+            self._top_up_window()
         self._add_prompts(b)  # prepare_step
         sample = self.replay.sample(self.global_steps, b)
         generated = time.monotonic()
@@ -351,10 +372,12 @@ def run_scenario(
     seed: int = 0,
     should_stop: Callable[[float], bool] = sleep,
     on_done: Callable[[SimReport], None] | None = None,
+    top_up: threading.Event | None = None,
 ) -> SimReport:
     """Run ``scenario`` in ``workdir``; ``on_done`` sees the report while the last TQ is still alive.
 
-    ``should_stop(seconds)`` waits that long and says whether to stop (the CLI's signal handler).
+    ``should_stop(seconds)`` waits that long and says whether to stop (the CLI's signal handler); once
+    ``top_up`` is set, the next step first fills the live window up to T (the CLI's SIGUSR1).
     """
     check_workdir(workdir)
     workdir.mkdir(parents=True, exist_ok=True)
@@ -368,7 +391,9 @@ def run_scenario(
     report = SimReport(scenario.name)
 
     def start(settings: TrainerSettings, steps: int) -> None:
-        process = TrainerProcess(scenario, settings, workdir, log, seed=seed, pause=pause, console=console)
+        process = TrainerProcess(
+            scenario, settings, workdir, log, seed=seed, pause=pause, console=console, top_up=top_up
+        )
         try:
             report.starts.append(process.start(steps))
         finally:
