@@ -22,7 +22,8 @@ RENAMED_PARAMETER = (  # _materialize_batch's selected_prompt_uids is prompt_uid
     ("        selected = set(selected_prompt_uids)\n", "        selected = set(prompt_uids)\n"),
     (
         "self._materialize_batch(partition_id, selected_prompt_uids, partition_snapshot)",
-        "self._materialize_batch(\n            partition_id, prompt_uids=selected_prompt_uids, partition_snapshot=partition_snapshot\n        )",
+        "self._materialize_batch(partition_id, prompt_uids=selected_prompt_uids, "
+        "partition_snapshot=partition_snapshot)",
     ),
 )
 
