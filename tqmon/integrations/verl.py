@@ -219,7 +219,7 @@ class BufferWatch:
             return False
         self.reporter.on_error = lambda err: self.fail("the window reporter's thread", err)
         self.hook(pins.SYNC.name, lambda _: self.reporter.synced(self.buffer))
-        self.hook(pins.MATERIALIZE.name, self._sampled)
+        self.hook(pins.MATERIALIZE.name, self.after_materialize)
         self._set("reporting", f"watching {kind}'s syncs and batches (verl {_verl_version() or 'version unknown'})")
         return True
 
@@ -245,7 +245,8 @@ class BufferWatch:
         setattr(self.buffer, name, hooked)
         self._hooked.append(name)
 
-    def _sampled(self, arguments: dict[str, Any]) -> None:
+    def after_materialize(self, arguments: dict[str, Any]) -> None:
+        """After verl took a batch: the view without its prompt keys (they left TransferQueue)."""
         self.reporter.sampled(self.buffer, arguments["partition_id"], arguments["selected_prompt_uids"])
 
     def fail(self, where: str, err: Exception) -> None:
