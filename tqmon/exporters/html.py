@@ -485,7 +485,7 @@ def _plugin(snapshot: Snapshot, now: float) -> str:
     said = ""
     if plugin is not None:
         said = (
-            f' The plugin last said <b data-k="plugin-state">{_e(plugin.window)}</b> {_when(plugin.changed_at, now)}'
+            f' The plugin last said <b data-k="plugin-state">{_e(plugin.window)}</b> at {_when(plugin.changed_at, now)}'
             f"{f': {_e(plugin.reason)}' if plugin.reason else ''}."
         )
     return f'<p data-k="plugin" data-reader="{_e(reader)}">Live window: {WINDOW_READERS[reader]}.{said}</p>'
