@@ -411,3 +411,17 @@ def test_the_rate_limited_log_says_the_first_in_full_then_once_a_minute_with_a_c
     assert (first.getMessage(), first.exc_info is not None) == ("hook failed", True)
     assert second.getMessage() == "hook failed (7 times so far; at most one line every 60 s)"
     assert second.exc_info is None
+
+
+def test_the_docs_table_lists_every_pin() -> None:
+    from tqmon.integrations import pins
+
+    doc = (Path(__file__).parents[1] / "docs" / "verl.md").read_text()
+    rows = [line for line in doc.splitlines() if line.startswith("| `verl.")]
+    stated = [row.split(" | ")[:3] for row in rows]
+    expected = [
+        [f"| `{pin.owner}`", f"`{pin.name}`", f"`{pin.parameters}`" if pin.parameters else "instance attribute"]
+        for pin in pins.ALL
+    ]
+    assert stated == expected
+    assert f"The hooks are written against verl **{pins.VERL_VERSION}**" in doc
