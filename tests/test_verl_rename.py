@@ -161,3 +161,36 @@ def test_a_verl_that_renamed_a_hooked_method_is_refused_and_the_kv_list_poll_tak
     # verl's renamed code runs untouched: the first sample evicts the failure group, refills it, takes a batch.
     batch, _ = renamed.replay_buffer.sample(global_steps=6, partition_id="train", batch_size=4)
     assert len({key.split("_")[0] for key in batch.keys}) == 4
+
+
+def test_a_verl_trainer_without_the_replay_buffer_attribute_is_refused_by_name(
+    cluster: Any,
+    tmp_path: Path,
+    tqmon_factory: Callable[..., TqmonProcess],
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    tq = cluster
+    clear_window(tq)
+    tqmon = tqmon_factory().start()
+    monkeypatch.setenv("TQMON_URL", tqmon.url)
+    config = verl_config(tmp_path, ())
+    trainer = make_trainer(config)
+    trainer.sampler = vars(trainer).pop("replay_buffer")  # verl's trainer as a release calling it `sampler`
+    trainer.agent_loop_manager = RecordingManager.create(config=config, llm_client=None)
+    caplog.set_level("WARNING", logger="tqmon.integrations")
+    trainer._add_prompts_to_generate(2)  # verl's own submission path: dispatched whatever tqmon makes of it
+    trainer._add_prompts_to_generate(1)  # looked at once only
+    assert len(train_uids(tq)) == 3
+    [line] = [r.getMessage() for r in caplog.records if r.name == "tqmon.integrations"]
+    assert line.startswith(
+        "tqmon: not watching the replay buffer: PPOTrainerColocateAsync has no attribute replay_buffer."
+    )
+    assert not any(hasattr(value, HOOK) for value in vars(trainer.sampler).values())
+    poster = plugin(config).poster
+    assert poster is not None and poster.flush(10)
+    status = httpx.get(tqmon.url + "/api/v1/status", timeout=5).json()
+    changed_at = status["plugin"].pop("changed_at")
+    assert status["plugin"] == {"window_reader": "unobserved", "state": "refused", "reason": line}
+    assert abs(changed_at - time.time()) < 30  # the plugin's event has no time of its own: its receipt
+    assert gauge(tqmon.metrics(), "tqmon_plugin_window_state", state="unobserved") == 1

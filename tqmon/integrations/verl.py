@@ -116,12 +116,14 @@ def _is_verl(obj: object) -> bool:
     return any(cls.__module__.split(".", 1)[0] == "verl" for cls in type(obj).__mro__)
 
 
-def refusal(what: str, found: list[str]) -> str:
+KV_LIST_INSTEAD = "tqmon reads the window with kv_list instead (tqmon serve --ray-address)"
+
+
+def refusal(what: str, found: list[str], instead: str = KV_LIST_INSTEAD) -> str:
     """The one line a hook that does not match the pinned verl logs: what is off, why, and what happens."""
     return (
         f"tqmon: {what}: {'; '.join(found)}. This verl ({_verl_version() or 'version unknown'}) is not the verl "
-        f"{pins.VERL_VERSION} tqmon's hooks are pinned to; verl runs untouched and tqmon reads the window with "
-        "kv_list instead (tqmon serve --ray-address)"
+        f"{pins.VERL_VERSION} tqmon's hooks are pinned to; verl runs untouched and {instead}"
     )
 
 
@@ -218,8 +220,12 @@ class BufferWatch:
             self._set("refused", reason)
             return False
         self.reporter.on_error = lambda err: self.fail("the window reporter's thread", err)
-        self.hook(pins.SYNC.name, lambda _: self.reporter.synced(self.buffer))
-        self.hook(pins.MATERIALIZE.name, self.after_materialize)
+        try:
+            self.hook(pins.SYNC.name, lambda _: self.reporter.synced(self.buffer))
+            self.hook(pins.MATERIALIZE.name, self.after_materialize)
+        except Exception as err:  # half-hooked: take off what was put on
+            self.fail("installing the hooks", err)
+            return False
         self._set("reporting", f"watching {kind}'s syncs and batches (verl {_verl_version() or 'version unknown'})")
         return True
 
@@ -262,8 +268,7 @@ class BufferWatch:
                 self.reporter.stop()
         reason = f"{where}: {type(err).__name__}: {err}"
         self.failures.warning(
-            f"tqmon: the replay-buffer hook failed in {reason}; verl's methods are restored and tqmon reads the "
-            "window with kv_list instead (tqmon serve --ray-address)",
+            f"tqmon: the replay-buffer hook failed in {reason}; verl's methods are restored and {KV_LIST_INSTEAD}",
             exc_info=err,
         )
         if first:
@@ -346,7 +351,8 @@ class TqmonAgentLoopManager(AgentLoopManagerTQ):  # type: ignore[misc]
                 if found is None:
                     self._tqmon = StartReporter(state.poster, state.ids, state.settings, state.mode)
                 else:
-                    log.warning(refusal("submissions are not reported", [found]))
+                    instead = "tqmon reads the resume from verl's log lines only"
+                    log.warning(refusal("submissions are not reported", [found], instead))
         except Exception:
             log.exception("tqmon: plugin setup failed; submissions are not reported")
 
@@ -388,11 +394,13 @@ class TqmonAgentLoopManager(AgentLoopManagerTQ):  # type: ignore[misc]
         """The trainer submits through its own methods (``fit`` hands it this manager), so the caller's ``self``
         is the trainer: watch its replay buffer from this first submission on (before its first sample)."""
         reporter, state = self._window, self._plugin
-        trainer = caller.f_locals.get("self")
-        if reporter is None or state is None or not (hasattr(trainer, pins.TRAINER_BUFFER.name) or _is_verl(trainer)):
-            return  # not the trainer calling: try again at the next submission
-        self._window = None
+        if reporter is None or state is None:
+            return
         try:
+            trainer = caller.f_locals.get("self")
+            if not (hasattr(trainer, pins.TRAINER_BUFFER.name) or _is_verl(trainer)):
+                return  # not the trainer calling: try again at the next submission
+            self._window = None
             found = pins.difference(pins.TRAINER_BUFFER, trainer)
             if found is not None:
                 reason = refusal("not watching the replay buffer", [found])
@@ -401,8 +409,10 @@ class TqmonAgentLoopManager(AgentLoopManagerTQ):  # type: ignore[misc]
                 return
             unknown = pins.differences(trainer, pins.TRAINER_SUBMITTERS)
             if unknown:
-                log.warning(refusal("submissions through these functions are counted as unknown", unknown))
+                instead = "submissions through them are counted as unknown"
+                log.warning(refusal("verl functions submissions are classified by differ", unknown, instead))
             watch_replay_buffer(getattr(trainer, pins.TRAINER_BUFFER.name), reporter, state.report)
         except Exception as err:
+            self._window = None
             log.exception("tqmon: could not watch the replay buffer")
             state.report("failed", f"watching the replay buffer: {type(err).__name__}: {err}")
