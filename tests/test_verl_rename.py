@@ -177,6 +177,7 @@ def test_a_verl_trainer_without_the_replay_buffer_attribute_is_refused_by_name(
     config = verl_config(tmp_path, ())
     trainer = make_trainer(config)
     trainer.sampler = vars(trainer).pop("replay_buffer")  # verl's trainer as a release calling it `sampler`
+    trainer.global_steps = 1
     trainer.agent_loop_manager = RecordingManager.create(config=config, llm_client=None)
     caplog.set_level("WARNING", logger="tqmon.integrations")
     trainer._add_prompts_to_generate(2)  # verl's own submission path: dispatched whatever tqmon makes of it
