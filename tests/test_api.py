@@ -92,7 +92,14 @@ WINDOW: dict[str, Any] = {  # no time: a window is live data, served only while 
     "partition": "train",
     "by_status": {"pending": 5, "running": 4, "finished": 2},
 }
-RESUME: list[dict[str, Any]] = [RUN, START, RESTORE, REISSUE, WARMUP, STEP, SAVE, WINDOW]
+PLUGIN: dict[str, Any] = {  # the verl plugin met a verl that differs from its pins: it wraps nothing
+    "id": "run-a/plugin/0",
+    "type": "plugin_state_changed",
+    "time": T0 + 121,
+    "window": "refused",
+    "reason": "ReplayBufferAsync has no attribute _materialize_batch",
+}
+RESUME: list[dict[str, Any]] = [RUN, START, RESTORE, REISSUE, WARMUP, STEP, SAVE, WINDOW, PLUGIN]
 assert {e["type"] for e in RESUME} == EVENT_TYPE_NAMES
 
 # R = 6 (1 failure, stale unknown with the default threshold 8 and no per-step composition), M = 6:
@@ -172,7 +179,11 @@ RESUME_SERIES: dict[str, float | None] = {
     'tqmon_window_prompt_groups{partition="train",status="failure"}': 0,
     'tqmon_window_status{status="under_filled"}': 1,  # 11 live < T = 12
     'tqmon_window_status{status="ok"}': 0,
-    'tqmon_events_total{outcome="applied",source="events"}': 8,
+    'tqmon_events_total{outcome="applied",source="events"}': 9,
+    # No --ray-address and the plugin refused: nothing reads the window (the posted one came as a plain event).
+    'tqmon_plugin_window_state{state="unobserved"}': 1,
+    'tqmon_plugin_window_state{state="kv_list"}': 0,
+    'tqmon_plugin_window_state{state="reporting"}': 0,
     'tqmon_events_total{outcome="duplicate",source="events"}': 0,
 }
 
@@ -381,6 +392,17 @@ def test_each_event_type_posted_singly_changes_the_state(tqmon_factory: Factory)
         ("train", "events", {"pending": 5, "running": 4, "finished": 2})
     ]
     assert now["window_status"] == "under_filled"
+    assert now["plugin"] == {"window_reader": "unobserved", "state": None, "reason": None, "changed_at": None}
+
+    assert post_ok(proc, PLUGIN) == one
+    now = status(proc)
+    assert now["plugin"] == {
+        "window_reader": "unobserved",
+        "state": "refused",
+        "reason": "ReplayBufferAsync has no attribute _materialize_batch",
+        "changed_at": T0 + 121,
+    }
+    assert len(now["windows"]) == 1  # a window not from the plugin stays
 
     # The whole sequence, event by event, gives the same record and series as one batch does (next test).
     assert (now["resumes_total"], now["records_total"]) == (1, 1)
@@ -390,7 +412,7 @@ def test_each_event_type_posted_singly_changes_the_state(tqmon_factory: Factory)
 
 def test_resume_sequence_posted_as_one_batch(tqmon_factory: Factory) -> None:
     proc = tqmon_factory(env=NOT_UTC).start()
-    assert post_ok(proc, RESUME) == {"accepted": 8, "applied": 8, "duplicates": 0}
+    assert post_ok(proc, RESUME) == {"accepted": 9, "applied": 9, "duplicates": 0}
     now = status(proc)
     assert (now["resumes_total"], now["records_total"], now["trainer_step"], now["target_window"]) == (1, 1, 12, 12)
     assert split_record(now["records"][0]) == (RESUME_RECORD, RESUME_EVIDENCE)
@@ -865,7 +887,7 @@ def test_health_readiness_landing_openapi_and_negotiation(tqmon_factory: Factory
 
 def test_state_and_counters_survive_kill_9(tqmon_factory: Factory) -> None:
     first = tqmon_factory().start()
-    assert post_ok(first, RESUME)["applied"] == 8
+    assert post_ok(first, RESUME)["applied"] == 9
     assert post_ok(first, START)["duplicates"] == 1
     assert post(first, b"{").status_code == 400
     assert post(first, BAD_CONFIG).status_code == 422
@@ -880,7 +902,16 @@ def test_state_and_counters_survive_kill_9(tqmon_factory: Factory) -> None:
     second = tqmon_factory().start()
     assert second.state_dir == first.state_dir
     after = status(second)
-    stable = ("run", "target_window", "trainer_step", "trainer_last_event", "checkpoint", "windows", "window_status")
+    stable = (
+        "run",
+        "target_window",
+        "trainer_step",
+        "trainer_last_event",
+        "checkpoint",
+        "windows",
+        "window_status",
+        "plugin",
+    )
     assert {k: after[k] for k in stable} == {k: before[k] for k in stable}
     assert (after["resumes_total"], after["records_total"]) == (1, 1)
     assert after["records"] == before["records"]

@@ -192,6 +192,7 @@ def test_unknown_values_are_omitted_not_zero() -> None:
     names = {f.name for f in text_string_to_metric_families(generate_latest(registry_for(empty)).decode())}
     assert names == {
         "tqmon_window_status",
+        "tqmon_plugin_window_state",  # unobserved: no plugin and no --ray-address is a known state
         "tqmon_resumes",
         "tqmon_build_info",
         "tqmon_events_rejected",

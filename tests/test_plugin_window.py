@@ -115,11 +115,24 @@ def test_posts_are_rate_limited_and_the_latest_sync_wins() -> None:
     assert len({e.id for e in sink.events}) == 4
 
 
-def test_a_view_that_cannot_be_read_is_logged_not_raised(caplog: pytest.LogCaptureFixture) -> None:
+def test_a_buffer_that_cannot_be_read_raises_to_the_hooks_guard_and_offers_nothing() -> None:
     reporter = WindowReporter(_Sink(), "r/s")
-    reporter.synced(object())  # not a replay buffer: nothing raises into the caller
-    assert "could not read the replay buffer" in caplog.text
+    with pytest.raises(AttributeError, match="prompt_global_steps"):
+        reporter.synced(object())  # the plugin's hook catches it and takes itself off (test_verl_plugin.py)
     assert reporter.offered == 0
+
+
+def test_a_stopped_reporter_drops_its_waiting_view_and_takes_no_more() -> None:
+    sink = _Sink()
+    reporter = WindowReporter(sink, "r/s", interval=3600.0)
+    buffer = buffer_after_sync(window_tags())
+    reporter.synced(buffer)
+    assert sink.posted.wait(5) and reporter.flush(5)
+    reporter.synced(buffer)  # waits an hour for its turn
+    reporter.stop()
+    reporter.synced(buffer)
+    assert reporter.flush(1)  # nothing is waiting any more
+    assert (reporter.offered, reporter.posted, len(sink.events)) == (2, 1, 2)
 
 
 def plugin_window(eid: str, at: float, pending: int, steps: int = 9) -> Event:
@@ -212,3 +225,61 @@ def test_the_poll_backs_off_to_a_cross_check_while_the_plugin_feeds_the_window(
 def test_a_negative_cross_check_interval_is_refused_by_name() -> None:
     with pytest.raises(ConfigError, match="--tq-cross-check-interval must not be negative, got -1"):
         ServiceConfig(tq=PollSettings(cross_check_interval=-1.0)).validate()
+
+
+def plugin_state(eid: str, window: str, at: float, reason: str = "") -> Event:
+    return parse_event({"id": eid, "type": "plugin_state_changed", "time": at, "window": window, "reason": reason})
+
+
+@pytest.mark.parametrize("stopped", ["refused", "failed", "off"])
+def test_a_plugin_that_stops_reporting_drops_its_window_and_wakes_the_poll(stopped: str, tmp_path: Path) -> None:
+    from tqmon.exporters.values import metric_values
+    from tqmon.snapshot import SourceName, TQPollView
+
+    now = [1000.0]
+    announced: list[str] = []
+    tracker = Tracker(StateStore(tmp_path), stale_after=60, clock=lambda: now[0], announce=announced.append)
+    woken: list[str] = []
+    tracker.on_plugin_stopped(lambda: woken.append("poll"))
+
+    def reader() -> str:
+        values = {spec.name: series for spec, series in metric_values(tracker.snapshot, now[0])}
+        [current] = [s.labels[0] for s in values["tqmon_plugin_window_state"] if s.value == 1]  # type: ignore[union-attr]
+        return current
+
+    assert reader() == "unobserved"  # no plugin, no --ray-address
+    tracker.observe_windows((), TQPollView("c1", 1, 600.0, 0.001, 20, None, cross_check=True))  # --ray-address
+    assert reader() == "kv_list"
+    log = parse_event({"id": "l", "type": "window_observed", "time": 999.0, "by_status": {"pending": 7}})
+    tracker.ingest([log], "log")
+    tracker.ingest([plugin_state("p/0", "reporting", 999.0), plugin_window("w/1", 1000.0, pending=2)], "events")
+    assert (reader(), tracker.window_fresh_until(SourceName.REPLAY_BUFFER), woken) == ("reporting", 1060.0, [])
+
+    tracker.ingest([plugin_state("p/1", stopped, 1001.0, f"the plugin {stopped}")], "events")
+    snapshot = tracker.snapshot
+    assert woken == ["poll"]  # the TQ poll need not wait until 1060 for the plugin's window to go stale
+    assert tracker.window_fresh_until(SourceName.REPLAY_BUFFER) is None
+    assert [(w.source, w.by_status["pending"]) for w in snapshot.windows] == [("log", 7)]  # other sources stay
+    assert "replay_buffer" not in {s.source for s in snapshot.sources}  # gone on purpose, not down
+    assert snapshot.plugin is not None and (snapshot.plugin.window, snapshot.plugin.reason) == (
+        stopped,
+        f"the plugin {stopped}",
+    )
+    assert reader() == "kv_list"
+    assert (
+        announced[-1]
+        == f"verl plugin: {stopped}, the window is not reported from the replay buffer: the plugin {stopped}"
+    )
+
+    tracker.ingest([plugin_window("w/2", 1002.0, pending=3)], "events")  # a view it had queued before it stopped
+    assert [w.source for w in tracker.snapshot.windows] == ["log"] and reader() == "kv_list"
+    assert "replay_buffer" not in {s.source for s in tracker.snapshot.sources}
+
+    restarted = Tracker(StateStore(tmp_path), stale_after=60, clock=lambda: now[0])
+    restarted.replay()  # the state is stored: a restarted tqmon still ignores a plugin that stopped
+    assert restarted.snapshot.plugin == snapshot.plugin
+
+    tracker.ingest([plugin_state("p2/0", "reporting", 1003.0), plugin_window("w2/1", 1003.0, pending=4)], "events")
+    assert reader() == "reporting" and woken == ["poll"]
+    now[0] = 1064.0  # its window went stale: the poll reads the window again
+    assert reader() == "kv_list"

@@ -36,6 +36,7 @@ from tqmon.snapshot import (
     Claim,
     Disagreement,
     Evidence,
+    PluginView,
     ResumeRecord,
     Snapshot,
     SourceHealth,
@@ -545,6 +546,28 @@ def test_the_plugin_feeds_the_window_and_the_poll_cross_checks() -> None:
     assert "seen by replay_buffer" in window.text() and "seen by tq" not in window.text()
     said = "every 600 s, ~0.10% of the controller's request thread, only as a cross-check: the verl plugin feeds"
     assert f"{said} the window." in dom.find(id="sources").text()
+    line = dom.find(data_k="plugin")
+    assert (line.attrs["data-reader"], line.text()) == (
+        "reporting",
+        "Live window: the verl plugin reports it from the replay buffer's own sync.",
+    )
+
+
+@pytest.mark.parametrize(("tq", "reader"), [(True, "kv_list"), (False, "unobserved")])
+def test_a_plugin_that_refused_says_so_and_who_reads_the_window_instead(tq: bool, reader: str) -> None:
+    poll = TQPollView("c1", 1, 1.0, 0.001, 42, None) if tq else None
+    stopped = PluginView("refused", "ReplayBufferAsync has no attribute <i>_materialize_batch</i>", T1 - 30)
+    dom = parse(render(replace(snapshot(None), tq=poll, plugin=stopped), T1))
+    line = dom.find(data_k="plugin")
+    assert line.attrs["data-reader"] == reader
+    instead = {
+        "kv_list": "tqmon's kv_list poll reads it; the verl plugin does not report it",
+        "unobserved": "nothing reads it: the verl plugin does not report it and tqmon has no --ray-address",
+    }[reader]
+    said = "The plugin last said refused at 2025-12-01 00:46:10 UTC (30s ago): ReplayBufferAsync has no attribute "
+    said += "<i>_materialize_batch</i>."
+    assert line.text() == f"Live window: {instead}. {said}"  # the plugin's words are text, not markup
+    assert line.find(data_k="plugin-state").text() == "refused"
 
 
 def test_no_start_yet() -> None:

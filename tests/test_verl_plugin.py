@@ -4,6 +4,7 @@ makes of one start reported through two doors (verl's log and the plugin), and o
 from __future__ import annotations
 
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -96,6 +97,8 @@ def _classify_from(*names: str) -> str:
         (("fit", "step", "_step_once", "sample", "wait_for_sampleable", "_add_prompts_to_generate"), "refill"),
         (("fit", "step", "prepare_step", "wait_for_sampleable", "_add_prompts_to_generate"), "refill"),
         (("fit", "_validate"), "validation"),
+        (("fit", "_resubmit_inflight", "_submit_batch_to_rollout"), "unknown"),  # a renamed re-issue
+        (("main", "my_rollout_loop"), "unknown"),  # a custom trainer's own path
     ],
 )
 def test_submissions_are_classified_by_verls_functions_on_the_stack(stack: tuple[str, ...], kind: str) -> None:
@@ -127,6 +130,34 @@ def test_the_warmup_is_measured_and_decided_by_the_first_step_batch() -> None:
     assert isinstance(decided, WarmupDecided)
     assert (decided.restored_prompt_groups, decided.submitted_prompt_groups, decided.skip_reason) == (1, 7, None)
     assert dict(reporter.submissions) == {"reissue": 1, "warmup": 7, "step": 4, "refill": 1}
+
+
+def test_an_unknown_submission_does_not_end_the_warmup_count() -> None:
+    sink = _Sink()
+    reporter = StartReporter(sink, "r/s", TrainerConfig(**CONFIG), "colocate_async")
+    reporter.started(9, "/ckpt/global_step_9", compose({}))
+    reporter.submitted("warmup", 5)
+    reporter.submitted("unknown", 3)  # through no pinned verl function: not the step's batch
+    reporter.submitted("warmup", 2)  # the warmup is still counted
+    assert [event.type for event in sink.events] == ["training_started", "checkpoint_restored"]
+    reporter.submitted("step", 4)
+    reporter.submitted("refill", 1)
+    assert dict(reporter.submissions) == {"warmup": 7, "unknown": 3, "step": 4, "refill": 1}
+    # The unknown submission may have been the re-issue or part of the warmup: neither K = 0 nor M = 7 is a
+    # measured fact, so the plugin reports no decision (verl's own log line still does).
+    assert [event.type for event in sink.events] == ["training_started", "checkpoint_restored"]
+
+
+def test_an_unknown_submission_after_the_decision_changes_nothing() -> None:
+    sink = _Sink()
+    reporter = StartReporter(sink, "r/s", TrainerConfig(**CONFIG), "colocate_async")
+    reporter.started(None, None, None)
+    reporter.submitted("warmup", 8)
+    reporter.submitted("step", 4)
+    reporter.submitted("unknown", 2)
+    decided = sink.events[-1]
+    assert isinstance(decided, WarmupDecided) and decided.submitted_prompt_groups == 8
+    assert [event.type for event in sink.events] == ["training_started", "warmup_decided"]
 
 
 @pytest.mark.parametrize(
@@ -228,3 +259,169 @@ def test_the_legacy_log_line_means_0_9_0_whatever_the_version_says() -> None:
         8,
         WarmupState.LEGACY_UNCONDITIONAL,
     )
+
+
+# ---------------------------------------------------------------- the pinned verl
+
+
+def test_every_pin_matches_the_installed_verl(tmp_path: Path) -> None:
+    """A verl upgrade that renames, moves or re-signs anything the plugin touches fails here, not in a run."""
+    verl = pytest.importorskip("verl")
+    import tomllib
+
+    from tests.test_verl_parity import make_trainer, verl_config
+    from tqmon.integrations import pins
+
+    extra = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())["project"][
+        "optional-dependencies"
+    ]
+    assert f"verl=={pins.VERL_VERSION}" in extra["verl"]  # the version tests run against is the pinned one
+    assert verl.__version__ == pins.VERL_VERSION
+
+    trainer = make_trainer(verl_config(tmp_path, ()))  # instance attributes exist on instances only
+    instances = {pins.TRAINER: trainer, pins.REPLAY_BUFFER: trainer.replay_buffer}
+    assert type(trainer.replay_buffer).__name__ == "ReplayBufferAsync"
+    for pin in pins.ALL:
+        owner = pins.resolve(pin)  # the class is still where the pin says
+        target = instances.get(pin.owner, owner) if pin.parameters is None else owner
+        assert pins.difference(pin, target) is None, pin
+        if pin.parameters is not None:  # the same seen from an instance, the way the plugin checks it
+            assert pins.difference(pin, instances.get(pin.owner, owner)) is None, pin
+    assert {pin.name for pin in pins.ALL} >= {"_sync_metadata_from_transfer_queue", "_materialize_batch"}
+
+
+def test_a_difference_from_a_pin_is_named() -> None:
+    pytest.importorskip("verl")
+    from tests.verl_release import RENAMED_ATTRIBUTE, RENAMED_METHOD, RENAMED_PARAMETER, replay_buffer
+    from tqmon.integrations import pins
+
+    assert pins.differences(replay_buffer(RENAMED_METHOD), pins.REPLAY_BUFFER_PINS) == [
+        "ReplayBufferAsync has no attribute _materialize_batch"
+    ]
+    assert pins.differences(replay_buffer(RENAMED_ATTRIBUTE), pins.REPLAY_BUFFER_PINS) == [
+        "ReplayBufferAsync has no attribute prompt_global_steps"
+    ]
+    assert pins.differences(replay_buffer(RENAMED_PARAMETER), pins.REPLAY_BUFFER_PINS) == [
+        "ReplayBufferAsync._materialize_batch(partition_id, prompt_uids, partition_snapshot) differs from the "
+        "pinned _materialize_batch(partition_id, selected_prompt_uids, partition_snapshot)"
+    ]
+
+
+class _States:
+    """What the plugin tells the sidecar about its window reporting."""
+
+    def __init__(self) -> None:
+        self.said: list[tuple[str, str]] = []
+
+    def __call__(self, window: str, reason: str) -> None:
+        self.said.append((window, reason))
+
+
+@pytest.mark.parametrize(
+    ("edits", "missing"),
+    [("RENAMED_METHOD", "_materialize_batch"), ("RENAMED_ATTRIBUTE", "prompt_global_steps")],
+)
+def test_a_verl_with_a_renamed_hook_target_is_refused_in_one_clear_line(
+    edits: str, missing: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    pytest.importorskip("verl")
+    import tests.verl_release as release
+    from tqmon.integrations.verl import HOOK, watch_replay_buffer
+    from tqmon.integrations.window import WindowReporter
+
+    buffer = release.replay_buffer(getattr(release, edits))
+    states = _States()
+    caplog.set_level("WARNING", logger="tqmon.integrations")
+    assert watch_replay_buffer(buffer, WindowReporter(_Sink(), "r/s"), states) is False
+    [line] = [r.getMessage() for r in caplog.records if r.name == "tqmon.integrations"]
+    assert f"ReplayBufferAsync has no attribute {missing}" in line
+    assert "is not the verl 0.9.1 tqmon's hooks are pinned to" in line and "kv_list" in line
+    assert "not a verl replay buffer" not in caplog.text
+    assert states.said == [("refused", line)]
+    assert not any(hasattr(value, HOOK) for value in vars(buffer).values())  # nothing wrapped
+
+
+def test_a_wrapper_passes_verls_own_error_through_and_stays(caplog: pytest.LogCaptureFixture) -> None:
+    """A call verl itself refuses raises verl's error, unchanged; tqmon's part never ran, so nothing failed."""
+    pytest.importorskip("verl")
+    from tests.test_plugin_window import buffer_after_sync
+    from tqmon.integrations.verl import HOOK, BufferWatch
+    from tqmon.integrations.window import WindowReporter
+
+    buffer = buffer_after_sync({})
+    states = _States()
+    watch = BufferWatch(buffer, WindowReporter(_Sink(), "r/s"), states)
+    assert watch.install()
+    with pytest.raises(TypeError) as raised:
+        buffer._materialize_batch("train", selected=[], partition_snapshot={})
+    assert "_materialize_batch() got an unexpected keyword argument 'selected'" in str(raised.value)
+    assert getattr(vars(buffer)["_materialize_batch"], HOOK) is not None and watch.state == "reporting"
+    assert [window for window, _ in states.said] == ["reporting"]
+    wrapper = vars(buffer)["_materialize_batch"]
+    assert wrapper.__name__ == "_materialize_batch" and wrapper.__module__ == "tqmon.integrations.verl"
+    assert not hasattr(wrapper, "__wrapped__")  # inspect and tracebacks see tqmon's wrapper, not verl's method
+    assert "tqmon" not in caplog.text
+
+
+def test_a_failure_on_the_reporters_thread_unwraps_and_reports_failed(caplog: pytest.LogCaptureFixture) -> None:
+    """verl's sets no longer as pinned (a prompt key without global_steps): the hook comes off at once."""
+    pytest.importorskip("verl")
+    from tests.test_plugin_window import buffer_after_sync
+    from tqmon.integrations.verl import BufferWatch
+    from tqmon.integrations.window import WindowReporter
+
+    buffer = buffer_after_sync({"a" * 32: {"is_prompt": True, "status": "pending", "global_steps": 3}})
+    buffer.running_keys["train"].add("b" * 32)  # no prompt_global_steps entry
+    sink, states = _Sink(), _States()
+    reporter = WindowReporter(sink, "r/s", interval=0.0)
+    watch = BufferWatch(buffer, reporter, states)
+    assert watch.install()
+    reporter.synced(buffer)  # what the sync's hook does after verl's sync
+    deadline = time.monotonic() + 5
+    while watch.state != "failed" and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert watch.state == "failed"
+    assert "_sync_metadata_from_transfer_queue" not in vars(buffer) and "_materialize_batch" not in vars(buffer)
+    assert [window for window, _ in states.said] == ["reporting", "failed"]
+    assert states.said[-1][1].startswith("the window reporter's thread: KeyError")
+    assert sink.events == []  # nothing posted, and nothing will be
+    reporter.synced(buffer)
+    assert reporter.offered == 1
+    [record] = [r for r in caplog.records if r.name == "tqmon.integrations"]
+    assert record.exc_info is not None and "verl's methods are restored" in record.getMessage()
+
+
+def test_the_rate_limited_log_says_the_first_in_full_then_once_a_minute_with_a_count(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    import logging
+
+    from tqmon.integrations.logs import RateLimitedLog
+
+    now = [100.0]
+    limited = RateLimitedLog(logging.getLogger("tqmon.test"), every=60.0, clock=lambda: now[0])
+    err = KeyError("global_steps")
+    assert limited.warning("hook failed", exc_info=err)
+    for _ in range(5):  # every sync within the minute: counted, not logged
+        now[0] += 10
+        assert not limited.warning("hook failed", exc_info=err)
+    now[0] += 11  # 61 s after the first line
+    assert limited.warning("hook failed", exc_info=err)
+    first, second = [r for r in caplog.records if r.name == "tqmon.test"]
+    assert (first.getMessage(), first.exc_info is not None) == ("hook failed", True)
+    assert second.getMessage() == "hook failed (7 times so far; at most one line every 60 s)"
+    assert second.exc_info is None
+
+
+def test_the_docs_table_lists_every_pin() -> None:
+    from tqmon.integrations import pins
+
+    doc = (Path(__file__).parents[1] / "docs" / "verl.md").read_text()
+    rows = [line for line in doc.splitlines() if line.startswith("| `verl.")]
+    stated = [row.split(" | ")[:3] for row in rows]
+    expected = [
+        [f"| `{pin.owner}`", f"`{pin.name}`", f"`{pin.parameters}`" if pin.parameters else "instance attribute"]
+        for pin in pins.ALL
+    ]
+    assert stated == expected
+    assert f"The hooks are written against verl **{pins.VERL_VERSION}**" in doc

@@ -10,7 +10,7 @@ import enum
 from dataclasses import dataclass
 
 from tqmon.judge import QUANTITIES
-from tqmon.snapshot import SourceName
+from tqmon.snapshot import PLUGIN_WINDOW_READERS, SourceName
 from tqmon.warmup import DOOM_REASONS, PARTITIONS, PROMPT_STATUSES, WarmupState
 
 
@@ -137,6 +137,15 @@ CATALOG: tuple[MetricSpec, ...] = (
         "Live training window against the target: ok, under_filled, over_filled or unknown.",
         "",
         (Label("status", WINDOW_STATUSES, "Window verdict."),),
+    ),
+    MetricSpec(
+        "tqmon_plugin_window_state",
+        MetricType.STATESET,
+        "Who reads the live window: reporting (the verl plugin, from the replay buffer's own sync), kv_list "
+        "(tqmon's TQ poll, --ray-address: the plugin is absent, off, refused a verl that differs from its pins, "
+        "failed, or went quiet) or unobserved (neither; without --ray-address).",
+        "",
+        (Label("state", PLUGIN_WINDOW_READERS, "What reads the window."),),
     ),
     # Resumes.
     MetricSpec("tqmon_resumes_total", MetricType.COUNTER, "Resumes from a checkpoint observed for this run."),

@@ -253,6 +253,23 @@ class WindowObserved(_Event):
         return self.observer or received_through
 
 
+PluginWindow = Literal["reporting", "off", "refused", "failed"]
+PLUGIN_REASON_LENGTH = 2000
+
+
+class PluginStateChanged(_Event):
+    """How the verl plugin reports the live window now. ``reporting``: it watches the replay buffer's syncs.
+    ``off``: turned off (``TQMON_WINDOW_REPORT_INTERVAL=0``). ``refused``: verl's code differs from the pinned
+    hooks, so nothing was wrapped. ``failed``: tqmon's part failed once and verl's methods were restored.
+
+    Anything but ``reporting`` drops the plugin's window at once and wakes the TQ poll (``--ray-address``).
+    """
+
+    type: Literal["plugin_state_changed"] = "plugin_state_changed"
+    window: PluginWindow
+    reason: str = Field("", max_length=PLUGIN_REASON_LENGTH, description="why, in the plugin's words")
+
+
 Event = Annotated[
     RunStarted
     | TrainingStarted
@@ -261,7 +278,8 @@ Event = Annotated[
     | WarmupDecided
     | StepCompleted
     | CheckpointSaved
-    | WindowObserved,
+    | WindowObserved
+    | PluginStateChanged,
     Field(discriminator="type"),
 ]
 EVENT_TYPES: tuple[type[_Event], ...] = (
@@ -273,6 +291,7 @@ EVENT_TYPES: tuple[type[_Event], ...] = (
     StepCompleted,
     CheckpointSaved,
     WindowObserved,
+    PluginStateChanged,
 )
 EVENT_TYPE_NAMES = frozenset(cls.model_fields["type"].default for cls in EVENT_TYPES)
 EVENT_ADAPTER: TypeAdapter[Event] = TypeAdapter(Event)

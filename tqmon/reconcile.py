@@ -21,6 +21,7 @@ from tqmon.events import (
     CheckpointSaved,
     Event,
     InflightReissued,
+    PluginStateChanged,
     RunStarted,
     StepCompleted,
     TrainingStarted,
@@ -34,6 +35,7 @@ from tqmon.snapshot import (
     CheckpointView,
     Claim,
     Evidence,
+    PluginView,
     ResumeRecord,
     RunInfo,
     SourceName,
@@ -71,6 +73,7 @@ class Reconciler:
         self.trainer_step: int | None = None
         self.trainer_last_event: float | None = None
         self.windows: dict[tuple[str, str], WindowView] = {}  # (source, partition) -> the newest seen
+        self.plugin: PluginView | None = None  # the verl plugin's last reported state; None: it never said
         self.checkpoint: CheckpointView | None = None
         self._observed: Observed | None = None
         self._checkpoint_saved: tuple[CheckpointSaved, str] | None = None  # the event behind ``checkpoint``
@@ -214,14 +217,30 @@ class Reconciler:
                 self._saved(event, source, at)
             case WindowObserved():
                 self._observe_window(event, event.source_name(source), seen)
+            case PluginStateChanged():
+                self.plugin = PluginView(event.window, event.reason, at)
+                if not self.plugin_reports:
+                    self.drop_windows(SourceName.REPLAY_BUFFER)
         if evidence_of is not None:
             evidence_of.evidence.append(Evidence(source, event.type, event.id, at, _describe(event)))
             self._rederive()
         if not isinstance(event, RunStarted):  # a new process announcing itself is not activity before a stop
             self._last_activity = _latest(self._last_activity, self._event_time)
 
+    @property
+    def plugin_reports(self) -> bool:
+        """The verl plugin's windows count: it reports, or never said otherwise (an older plugin)."""
+        return self.plugin is None or self.plugin.window == "reporting"
+
+    def accepts_window(self, source: str) -> bool:
+        """A pushed window of ``source`` is taken: not the plugin's once it said it stopped (a view it had
+        queued may still arrive after its ``failed``)."""
+        return source != SourceName.REPLAY_BUFFER or self.plugin_reports
+
     def _observe_window(self, event: WindowObserved, source: str, at: float) -> None:
         """A pushed window; one with a composition gets ages like a polled one."""
+        if not self.accepts_window(source):
+            return
         key = (source, event.partition)
         if key in self.windows and self.windows[key].observed_at > at:
             return  # a retried older post must not replace a newer window

@@ -23,14 +23,23 @@ from fastapi_offline import FastAPIOffline
 from pydantic import BaseModel, Field, TypeAdapter, ValidationError
 
 from tqmon import __version__
-from tqmon.events import EVENT_TYPE_NAMES, Event, describe_validation
+from tqmon.events import EVENT_TYPE_NAMES, Event, PluginWindow, describe_validation
 from tqmon.exporters.html import render as render_status_page
 from tqmon.exporters.prometheus import render
 from tqmon.httpserver import BACKLOG, BODY_TIMEOUT_SECONDS, UVICORN_LIMITS, GuardedH11Protocol
 from tqmon.report import verdict
 from tqmon.rules import render as render_rules
 from tqmon.service import Service, ServiceConfig, StartupError
-from tqmon.snapshot import CheckpointView, ResumeRecord, RunInfo, Snapshot, SourceName, TQPollView, WindowView
+from tqmon.snapshot import (
+    CheckpointView,
+    ResumeRecord,
+    RunInfo,
+    Snapshot,
+    SourceName,
+    TQPollView,
+    WindowReader,
+    WindowView,
+)
 from tqmon.store import StateUnavailable
 
 EVENTS_ADAPTER: TypeAdapter[list[Event]] = TypeAdapter(list[Event])
@@ -100,6 +109,26 @@ class SourceStatus(BaseModel):
     up: bool
 
 
+class PluginStatus(BaseModel):
+    """The verl plugin's window reporting: who reads the window now (``tqmon_plugin_window_state``) and the
+    plugin's last ``plugin_state_changed`` (all null when it never sent one)."""
+
+    window_reader: WindowReader
+    state: PluginWindow | None = Field(description="reporting, off, refused or failed, as the plugin last said")
+    reason: str | None
+    changed_at: float | None
+
+    @classmethod
+    def of(cls, snapshot: Snapshot, now: float) -> PluginStatus:
+        plugin = snapshot.plugin
+        return cls(
+            window_reader=snapshot.window_reader(now),
+            state=plugin.window if plugin else None,
+            reason=plugin.reason if plugin else None,
+            changed_at=plugin.changed_at if plugin else None,
+        )
+
+
 class Status(BaseModel):
     """``/api/v1/status``: everything from one snapshot, so no part of it can disagree with another."""
 
@@ -113,6 +142,7 @@ class Status(BaseModel):
     trainer_last_event: float | None
     checkpoint: CheckpointView | None
     tq: TQPollView | None
+    plugin: PluginStatus
     sources: list[SourceStatus]
     resumes_total: int
     records_total: int
@@ -135,6 +165,7 @@ class Status(BaseModel):
             trainer_last_event=snapshot.trainer_last_event,
             checkpoint=snapshot.checkpoint,
             tq=snapshot.tq,
+            plugin=PluginStatus.of(snapshot, now),
             sources=[SourceStatus(**_fields(s), up=s.up(now)) for s in snapshot.sources],
             resumes_total=snapshot.resumes_total,
             records_total=snapshot.records_total,

@@ -5,9 +5,10 @@ from __future__ import annotations
 import enum
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, Literal, get_args
 
 from tqmon.cost import ResumeCost
+from tqmon.events import PluginWindow
 from tqmon.warmup import TRAIN, WarmupState
 
 
@@ -175,6 +176,19 @@ class TQPollView:
     cross_check: bool = False  # another source feeds the window: kv_list is only a sparse cross-check now
 
 
+WindowReader = Literal["reporting", "kv_list", "unobserved"]  # tqmon_plugin_window_state
+PLUGIN_WINDOW_READERS: tuple[str, ...] = get_args(WindowReader)
+
+
+@dataclass(frozen=True, slots=True)
+class PluginView:
+    """The verl plugin's last ``plugin_state_changed``: how it reports the window, and why."""
+
+    window: PluginWindow
+    reason: str
+    changed_at: float
+
+
 @dataclass(frozen=True, slots=True)
 class CheckpointView:
     """The newest checkpoint seen, and what a resume from it would restore."""
@@ -225,6 +239,7 @@ class Snapshot:
     records: tuple[ResumeRecord, ...] = ()  # every start, oldest first (records_total of them)
     otlp: OTLPView | None = None  # set by the OTLP exporter on the snapshot it and /metrics render
     state: StateHealth = StateHealth()  # the state dir; failures are the store's, counted in memory
+    plugin: PluginView | None = None  # the verl plugin's last reported state
 
     def fresh_until(self, window: WindowView) -> float:
         """When a window stops being served: frozen data is never served as fresh."""
@@ -247,6 +262,15 @@ class Snapshot:
     def train_window(self, now: float) -> WindowView | None:
         """The prefetch window served now (the train partition's fresh window), if any."""
         return next((w for w in self.fresh_windows(now) if w.partition == TRAIN), None)
+
+    def window_reader(self, now: float) -> WindowReader:
+        """Who reads the live window now: ``reporting`` (the verl plugin, while its window is fresh),
+        ``kv_list`` (the TQ poll, ``--ray-address``) or ``unobserved`` (neither)."""
+        fed_until = self.window_fresh_until(SourceName.REPLAY_BUFFER)
+        plugin_reports = self.plugin is None or self.plugin.window == "reporting"
+        if plugin_reports and fed_until is not None and now <= fed_until:
+            return "reporting"
+        return "kv_list" if self.tq is not None else "unobserved"
 
     def window_status(self, now: float) -> str:
         train = self.train_window(now)

@@ -68,6 +68,7 @@ class Tracker:
         self._tq: TQPollView | None = None
         self._counters: dict[Tally, Counter[tuple[str, ...]]] = {tally: Counter() for tally in Tally}
         self._pruned_resumes = 0  # resumes of the records retention dropped (still in tqmon_resumes_total)
+        self._plugin_stopped: list[Callable[[], None]] = []
         self._snapshot = self._build()
 
     # ---------------------------------------------------------------- reading
@@ -84,6 +85,12 @@ class Tracker:
     def window_fresh_until(self, source: str) -> float | None:
         """Until when ``source`` has a fresh window, for a poller that backs off while another source feeds it."""
         return self._snapshot.window_fresh_until(source)
+
+    def on_plugin_stopped(self, callback: Callable[[], None]) -> None:
+        """Call ``callback`` (quick, non-blocking) when the verl plugin says it stopped reporting the window:
+        a poller backing off for the plugin's window must not wait for that window to go stale."""
+        with self._lock:
+            self._plugin_stopped.append(callback)
 
     def wanted_checkpoint(self) -> tuple[int, str | None] | None:
         """The step (and the folder, if the trainer named it) of the checkpoint the newest start resumed from,
@@ -134,11 +141,15 @@ class Tracker:
                 self._commit(((e, source, received_at) for e in events if not _is_live(e)), increments, cursors)
             )
             fresh = [_is_live(e) or next(stored) for e in events]
+            plugin = self._state.plugin
             for event, is_new in zip(events, fresh, strict=True):
                 if is_new:
                     self._state.apply(event, source, received_at)
             for event in live:
-                self._live_source_seen(event.source_name(source), event.timestamp(received_at))
+                if self._state.accepts_window(event.source_name(source)):
+                    self._live_source_seen(event.source_name(source), event.timestamp(received_at))
+            if self._state.plugin is not plugin and not self._state.plugin_reports:
+                self._plugin_stops()
             self._publish()
             applied = sum(fresh)
             return applied, len(events) - applied
@@ -260,6 +271,18 @@ class Tracker:
             if self._announce is not None:
                 self._announce(f"{source}: {line}")
 
+    def _plugin_stops(self) -> None:
+        """The plugin no longer reports the window (off, refused, failed): its source is gone on purpose, not
+        down (nothing to wait for; readiness must not fail for it), and the TQ poll is woken at once."""
+        plugin = self._state.plugin
+        self._health.pop(SourceName.REPLAY_BUFFER, None)
+        if plugin is not None and self._announce is not None:
+            self._announce(
+                f"verl plugin: {plugin.window}, the window is not reported from the replay buffer: {plugin.reason}"
+            )
+        for callback in self._plugin_stopped:
+            callback()
+
     def _live_source_seen(self, source: str, at: float) -> None:
         """A source named by a live window (the plugin's ``replay_buffer``) is up while its windows arrive."""
         health = self._health.setdefault(source, _Health(self._stale_after))
@@ -316,6 +339,7 @@ class Tracker:
             counters={tally: dict(values) for tally, values in self._counters.items()},
             records=tuple(state.records),
             state=self._store.health(),
+            plugin=state.plugin,
         )
 
 

@@ -459,11 +459,32 @@ def _sources(snapshot: Snapshot, now: float) -> str:
             f"every {_e(f'{tq.interval:g}')} s{_e(busy)}"
             f"{', only as a cross-check: the verl plugin feeds the window' if tq.cross_check else ''}.</p>"
         )
+    trainer += _plugin(snapshot, now)
     return (
         f'<section id="sources"><h2>Sources</h2>{trainer}<table><thead><tr><th>source</th><th>state</th>'
         "<th>last success</th><th>last poll</th><th>stale</th><th>errors</th><th>last error</th></tr></thead>"
         f"<tbody>{rows}</tbody></table></section>"
     )
+
+
+WINDOW_READERS = {
+    "reporting": "the verl plugin reports it from the replay buffer's own sync",
+    "kv_list": "tqmon's kv_list poll reads it; the verl plugin does not report it",
+    "unobserved": "nothing reads it: the verl plugin does not report it and tqmon has no <code>--ray-address</code>",
+}
+
+
+def _plugin(snapshot: Snapshot, now: float) -> str:
+    """Who reads the live window (``tqmon_plugin_window_state``), and the plugin's last word on it."""
+    reader = snapshot.window_reader(now)
+    plugin = snapshot.plugin
+    said = ""
+    if plugin is not None:
+        said = (
+            f' The plugin last said <b data-k="plugin-state">{_e(plugin.window)}</b> at {_when(plugin.changed_at, now)}'
+            f"{f': {_e(plugin.reason)}' if plugin.reason else ''}."
+        )
+    return f'<p data-k="plugin" data-reader="{_e(reader)}">Live window: {WINDOW_READERS[reader]}.{said}</p>'
 
 
 def _run(snapshot: Snapshot) -> str:

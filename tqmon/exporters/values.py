@@ -95,6 +95,7 @@ def metric_values(snapshot: Snapshot, now: float) -> Iterator[tuple[MetricSpec, 
             else []
         ),
         "tqmon_window_status": _stateset(BY_NAME["tqmon_window_status"], snapshot.window_status(now)),
+        "tqmon_plugin_window_state": _stateset(BY_NAME["tqmon_plugin_window_state"], snapshot.window_reader(now)),
         "tqmon_resumes_total": [Series((), snapshot.resumes_total)],
         "tqmon_trainer_global_step": _opt(snapshot.trainer_step),
         "tqmon_trainer_step_duration_seconds": _opt(snapshot.trainer_step_seconds),

@@ -18,6 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from tqmon.events import Event
+from tqmon.integrations.logs import RateLimitedLog
 
 log = logging.getLogger("tqmon.integrations")
 
@@ -56,9 +57,8 @@ class EventPoster:
         self._batch_size = batch_size
         self._timeout = timeout
         self._retry_delays = retry_delays
-        self._log_every = log_every
         self._sleep = sleep
-        self._last_log = -float("inf")
+        self._drops = RateLimitedLog(log, log_every)
         self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
         self.stats = PosterStats()
@@ -137,7 +137,4 @@ class EventPoster:
     def _drop(self, n: int, why: str) -> None:
         self.stats.dropped += n
         self.stats.last_error = why
-        now = time.monotonic()
-        if now - self._last_log >= self._log_every:
-            self._last_log = now
-            log.warning("tqmon: dropped %d event(s), %d in total: %s", n, self.stats.dropped, why)
+        self._drops.warning(f"tqmon: dropped {n} event(s), {self.stats.dropped} in total: {why}")

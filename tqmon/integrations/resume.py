@@ -2,8 +2,10 @@
 
 Framework-agnostic: the verl glue (``tqmon.integrations.verl``) says what was restored and classifies each
 submission; this module decides which events those facts make. The warmup is measured by counting the
-prompts submitted while warming up, and decided once the first non-warmup submission (the step's batch
-or a refill) shows the warmup is over.
+prompts submitted while warming up, and decided once the first step batch or refill shows the warmup is
+over. A submission through none of verl's pinned functions is ``unknown``: counted as such, it is neither
+warmup nor re-issue and ends nothing; and once one came before the decision, the counts cannot be trusted,
+so no decision (and no inferred re-issue) is reported at all.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from tqmon.events import (
 from tqmon.warmup import SkipReason, TrainerConfig
 from tqmon.warmup import skip_reason as warmup_skip_reason
 
-Submission = Literal["reissue", "warmup", "step", "refill", "validation"]
+Submission = Literal["reissue", "warmup", "step", "refill", "validation", "unknown"]
 
 
 class Sink(Protocol):
@@ -69,7 +71,7 @@ class StartReporter:
     def submitted(self, kind: Submission, prompts: int) -> None:
         """One ``generate_sequences`` call of ``prompts`` prompt groups."""
         self.submissions[kind] += prompts
-        if kind == "validation" or self._decided:
+        if kind in ("validation", "unknown") or self._decided:
             return
         if kind == "reissue":
             self._reissue(prompts)
@@ -91,8 +93,11 @@ class StartReporter:
         )
 
     def _decide(self) -> None:
-        """The warmup is over: report what it submitted (verl re-issues nothing when nothing was in flight)."""
+        """The warmup is over: report what it submitted (verl re-issues nothing when nothing was in flight),
+        unless an unknown submission came first: it may have been the warmup or the re-issue."""
         self._decided = True
+        if self.submissions["unknown"]:
+            return
         if self._resumed_from is not None and not self._reissued:
             self._reissue(0)
         self._sink.post(

@@ -7,16 +7,20 @@ Enabled by configuration only (no fork of verl), see docs/verl.md::
 
 Both run in verl's TaskRunner process, next to the trainer and its TransferQueue client. They post to
 ``$TQMON_URL`` (bearer ``$TQMON_TOKEN``) through a bounded background queue and never raise into verl:
-every hook body is guarded, and a failure is logged and counted instead.
+every hook calls verl's own method first with exactly its arguments, and tqmon's part runs after it,
+guarded. What the hooks rely on in verl is pinned (``tqmon.integrations.pins``): a verl that differs is
+refused with one line naming the difference, and the sidecar is told (``plugin_state_changed``).
 """
 
 from __future__ import annotations
 
-import functools
+import inspect
 import logging
 import os
 import sys
+import threading
 import uuid
+from collections.abc import Callable
 from types import FrameType
 from typing import Any, ClassVar
 
@@ -26,7 +30,9 @@ from verl.utils.checkpoint.checkpoint_manager import find_latest_ckpt_path
 from verl.utils.ray_utils import auto_await
 
 from tqmon.composition import Composition, compose
-from tqmon.events import CheckpointSaved, RunStarted
+from tqmon.events import PLUGIN_REASON_LENGTH, CheckpointSaved, PluginStateChanged, PluginWindow, RunStarted
+from tqmon.integrations import pins
+from tqmon.integrations.logs import RateLimitedLog
 from tqmon.integrations.poster import EventPoster
 from tqmon.integrations.resume import StartReporter, Submission
 from tqmon.integrations.window import DEFAULT_INTERVAL, WindowReporter
@@ -40,21 +46,19 @@ except ImportError:  # verl 0.9.0 has no checkpoint callbacks; the agent-loop ma
 log = logging.getLogger("tqmon.integrations")
 
 TRAIN = "train"
-# The verl 0.9.x functions a submission passes through, by what the submission is. A submission is
-# the first kind (in this order) whose function is on the stack: 0.9.0's warmup submits through
-# ``_add_batch_to_generate`` under ``on_train_begin``, so the warmup must win over the step batch.
-SUBMITTERS: tuple[tuple[Submission, frozenset[str]], ...] = (
-    ("validation", frozenset({"_validate"})),
-    ("reissue", frozenset({"_reissue_inflight_prompts"})),
-    ("warmup", frozenset({"_add_async_warmup_batches", "on_train_begin"})),
-    ("refill", frozenset({"wait_for_sampleable", "sample"})),
-    ("step", frozenset({"_add_batch_to_generate", "prepare_step"})),
+# The verl functions a submission passes through, by what the submission is (pinned: pins.SUBMITTERS).
+SUBMITTERS: tuple[tuple[Submission, frozenset[str]], ...] = tuple(
+    (kind, frozenset(pin.name for pin in functions)) for kind, functions in pins.SUBMITTERS
 )
 STACK_DEPTH = 12  # frames above generate_sequences searched; verl's deepest path is 6
+HOOK = "__tqmon_hook_of__"  # set on tqmon's wrapper of a verl method: the method it calls
+
+Report = Callable[[PluginWindow, str], None]  # tells the sidecar how the window is reported now
 
 
 def classify(frame: FrameType | None) -> Submission:
-    """What a ``generate_sequences`` call is, from verl's functions on the calling stack."""
+    """What a ``generate_sequences`` call is, from verl's functions on the calling stack; ``unknown`` when none
+    of the pinned ones is there (a renamed verl function, a custom trainer): it ends no warmup count."""
     names: set[str] = set()
     for _ in range(STACK_DEPTH):
         if frame is None:
@@ -64,7 +68,7 @@ def classify(frame: FrameType | None) -> Submission:
     for kind, functions in SUBMITTERS:
         if not names.isdisjoint(functions):
             return kind
-    return "step"  # a custom trainer's submission: it ends the warmup like a step batch does
+    return "unknown"
 
 
 def trainer_settings(config: Any) -> tuple[str, TrainerConfig]:
@@ -107,6 +111,26 @@ def _verl_version() -> str:
     return str(getattr(verl, "__version__", ""))
 
 
+def _is_verl(obj: object) -> bool:
+    """``obj`` is (or derives from) a class of verl's, however verl names it."""
+    return any(cls.__module__.split(".", 1)[0] == "verl" for cls in type(obj).__mro__)
+
+
+KV_LIST_INSTEAD = "tqmon reads the window with kv_list instead (tqmon serve --ray-address)"
+
+
+def refusal(what: str, found: list[str], instead: str = KV_LIST_INSTEAD) -> str:
+    """The one line a hook that does not match the pinned verl logs: what is off, why, and what happens."""
+    return (
+        f"tqmon: {what}: {'; '.join(found)}. This verl ({_verl_version() or 'version unknown'}) is not the verl "
+        f"{pins.VERL_VERSION} tqmon's hooks are pinned to; verl runs untouched and {instead}"
+    )
+
+
+def _no_report(window: PluginWindow, reason: str) -> None:
+    """A watch without a sidecar to tell (``watch_replay_buffer`` called directly)."""
+
+
 class _Plugin:
     """Per-process state both hooks share: the poster and the ids of this trainer start."""
 
@@ -120,6 +144,8 @@ class _Plugin:
         self.ids = f"{self.run_id}/{uuid.uuid4().hex[:12]}"  # one trainer process is one start
         self.mode, self.settings = trainer_settings(config)
         self.window: WindowReporter | None = None
+        self._states = 0  # plugin_state_changed events posted
+        self._lock = threading.Lock()
         if self.poster is None:
             log.warning("tqmon: TQMON_URL is not set; the tqmon verl plugin reports nothing")
             return
@@ -135,6 +161,20 @@ class _Plugin:
                 config=self.settings,
             )
         )
+        if self.window is None:
+            self.report("off", "TQMON_WINDOW_REPORT_INTERVAL=0: the plugin does not report the window")
+
+    def report(self, window: PluginWindow, reason: str) -> None:
+        """Tell tqmon how the window is reported now (``plugin_state_changed``); never raises."""
+        if self.poster is None:
+            return
+        with self._lock:
+            number, self._states = self._states, self._states + 1
+        try:
+            reason = reason[:PLUGIN_REASON_LENGTH]
+            self.poster.post(PluginStateChanged(id=f"{self.ids}/plugin/{number}", window=window, reason=reason))
+        except Exception:
+            log.exception("tqmon: could not report the plugin's state %r", window)
 
 
 def window_interval() -> float:
@@ -150,30 +190,101 @@ def window_interval() -> float:
     return interval
 
 
-def watch_replay_buffer(buffer: Any, reporter: WindowReporter) -> bool:
-    """Report ``buffer``'s view after each of its syncs and after each batch it takes; False if it is not a verl
-    0.9 replay buffer (a custom sampler without those methods). Wraps this instance's two methods only:
-    verl's calls, arguments, results and exceptions pass through unchanged."""
-    if not all(hasattr(buffer, name) for name in ("_sync_metadata_from_transfer_queue", "_materialize_batch")):
-        return False
-    if "_sync_metadata_from_transfer_queue" in vars(buffer):
+class BufferWatch:
+    """tqmon's hooks on one verl replay buffer: its view is reported after each sync and each batch it takes.
+
+    Only this instance's two pinned methods are wrapped, and only when the buffer matches every pin
+    (:data:`pins.REPLAY_BUFFER_PINS`); otherwise nothing is wrapped and the refusal is logged once and
+    reported. A wrapper calls verl's method first with exactly the arguments it was given, returns its result
+    or lets its exception through untouched, then does tqmon's part, guarded. The first failure of that part
+    (or of the reporter's thread) restores verl's methods, stops the reporter, is logged once with its
+    traceback (later ones at most once a minute, counted) and is reported as ``failed``.
+    """
+
+    def __init__(self, buffer: Any, reporter: WindowReporter, report: Report = _no_report) -> None:
+        self.buffer = buffer
+        self.reporter = reporter
+        self.state: PluginWindow | None = None
+        self._report = report
+        self._lock = threading.Lock()
+        self._hooked: list[str] = []
+        self.failures = RateLimitedLog(log)
+
+    def install(self) -> bool:
+        """Wrap the buffer's methods if it matches the pins; False (and one line) if it does not."""
+        kind = type(self.buffer).__name__
+        found = pins.differences(self.buffer, pins.REPLAY_BUFFER_PINS)
+        if found:
+            reason = refusal(f"not watching the replay buffer ({kind})", found)
+            log.warning(reason)
+            self._set("refused", reason)
+            return False
+        self.reporter.on_error = lambda err: self.fail("the window reporter's thread", err)
+        try:
+            self.hook(pins.SYNC.name, lambda _: self.reporter.synced(self.buffer))
+            self.hook(pins.MATERIALIZE.name, self.after_materialize)
+        except Exception as err:  # half-hooked: take off what was put on
+            self.fail("installing the hooks", err)
+            return False
+        self._set("reporting", f"watching {kind}'s syncs and batches (verl {_verl_version() or 'version unknown'})")
+        return True
+
+    def hook(self, name: str, after: Callable[[dict[str, Any]], None]) -> None:
+        """Wrap this instance's ``name``: verl's method runs first, unchanged; ``after`` gets the arguments
+        bound by name inside the guard, so arguments verl accepts can never make the wrapper raise."""
+        original = getattr(self.buffer, name)
+        signature = inspect.signature(original)
+
+        def hooked(*args: Any, **kwargs: Any) -> Any:
+            result = original(*args, **kwargs)
+            try:
+                after(signature.bind(*args, **kwargs).arguments)
+            except Exception as err:
+                self.fail(name, err)
+            return result
+
+        # verl's name, so a lookup by name finds it, but tqmon's qualname and module, and no __wrapped__: a
+        # traceback through the wrapper points at tqmon, and inspect shows the wrapper's own signature.
+        hooked.__name__ = name
+        hooked.__doc__ = f"tqmon's hook on verl's {name}: verl's method runs first, with these arguments."
+        setattr(hooked, HOOK, original)
+        setattr(self.buffer, name, hooked)
+        self._hooked.append(name)
+
+    def after_materialize(self, arguments: dict[str, Any]) -> None:
+        """After verl took a batch: the view without its prompt keys (they left TransferQueue)."""
+        self.reporter.sampled(self.buffer, arguments["partition_id"], arguments["selected_prompt_uids"])
+
+    def fail(self, where: str, err: Exception) -> None:
+        """tqmon's part failed: verl's methods come back, nothing more is posted, the sidecar is told."""
+        with self._lock:
+            first = self.state != "failed"
+            if first:
+                self.state = "failed"
+                for name in self._hooked:
+                    if getattr(vars(self.buffer).get(name), HOOK, None) is not None:
+                        delattr(self.buffer, name)
+                self._hooked.clear()
+                self.reporter.stop()
+        reason = f"{where}: {type(err).__name__}: {err}"
+        self.failures.warning(
+            f"tqmon: the replay-buffer hook failed in {reason}; verl's methods are restored and {KV_LIST_INSTEAD}",
+            exc_info=err,
+        )
+        if first:
+            self._report("failed", reason)
+
+    def _set(self, state: PluginWindow, reason: str) -> None:
+        self.state = state
+        self._report(state, reason)
+
+
+def watch_replay_buffer(buffer: Any, reporter: WindowReporter, report: Report = _no_report) -> bool:
+    """Report ``buffer``'s view after each of its syncs and after each batch it takes (:class:`BufferWatch`);
+    False, with one line and ``report("refused", why)``, where it differs from the pinned verl."""
+    if getattr(getattr(buffer, pins.SYNC.name, None), HOOK, None) is not None:
         return True  # already watched
-    sync, materialize = buffer._sync_metadata_from_transfer_queue, buffer._materialize_batch
-
-    @functools.wraps(sync)
-    def synced(*args: Any, **kwargs: Any) -> Any:
-        result = sync(*args, **kwargs)
-        reporter.synced(buffer)
-        return result
-
-    @functools.wraps(materialize)
-    def sampled(partition_id: str, selected_prompt_uids: list[str], *args: Any, **kwargs: Any) -> Any:
-        batch = materialize(partition_id, selected_prompt_uids, *args, **kwargs)
-        reporter.sampled(buffer, partition_id, selected_prompt_uids)
-        return batch
-
-    buffer._sync_metadata_from_transfer_queue, buffer._materialize_batch = synced, sampled
-    return True
+    return BufferWatch(buffer, reporter, report).install()
 
 
 def plugin(config: Any) -> _Plugin:
@@ -228,12 +339,20 @@ class TqmonAgentLoopManager(AgentLoopManagerTQ):  # type: ignore[misc]
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._tqmon: StartReporter | None = None
+        self._plugin: _Plugin | None = None
         self._window: WindowReporter | None = None  # until the trainer's replay buffer is watched
+        self._prompts = inspect.signature(super().generate_sequences)  # verl's, to bind its arguments by name
+        self._failures = RateLimitedLog(log)
         try:
             state = plugin(self.config)
             if state.poster is not None:
-                self._tqmon = StartReporter(state.poster, state.ids, state.settings, state.mode)
-                self._window = state.window
+                self._plugin, self._window = state, state.window
+                found = pins.difference(pins.GENERATE, AgentLoopManagerTQ)
+                if found is None:
+                    self._tqmon = StartReporter(state.poster, state.ids, state.settings, state.mode)
+                else:
+                    instead = "tqmon reads the resume from verl's log lines only"
+                    log.warning(refusal("submissions are not reported", [found], instead))
         except Exception:
             log.exception("tqmon: plugin setup failed; submissions are not reported")
 
@@ -256,27 +375,44 @@ class TqmonAgentLoopManager(AgentLoopManagerTQ):  # type: ignore[misc]
         except Exception:
             log.exception("tqmon: could not report the restored window")
 
-    def generate_sequences(self, prompts: Any) -> Any:
+    def generate_sequences(self, *args: Any, **kwargs: Any) -> Any:
+        """verl's dispatch first, with exactly its arguments; then, guarded, what the submission was and (at
+        the trainer's first submission) the watch on its replay buffer."""
+        result = super().generate_sequences(*args, **kwargs)
+        caller = sys._getframe(1)
         if self._tqmon is not None:
             try:
-                self._tqmon.submitted(classify(sys._getframe(1)), len(prompts))
-            except Exception:
-                log.exception("tqmon: could not classify a submission")
+                prompts = self._prompts.bind(*args, **kwargs).arguments["prompts"]
+                self._tqmon.submitted(classify(caller), len(prompts))
+            except Exception as err:
+                self._failures.warning(f"tqmon: could not report a submission: {type(err).__name__}: {err}", err)
         if self._window is not None:
-            self._watch(sys._getframe(1))
-        return super().generate_sequences(prompts)
+            self._watch(caller)
+        return result
 
     def _watch(self, caller: FrameType) -> None:
         """The trainer submits through its own methods (``fit`` hands it this manager), so the caller's ``self``
         is the trainer: watch its replay buffer from this first submission on (before its first sample)."""
-        reporter = self._window
+        reporter, state = self._window, self._plugin
+        if reporter is None or state is None:
+            return
         try:
-            buffer = getattr(caller.f_locals.get("self"), "replay_buffer", None)
-            if buffer is None or reporter is None:
+            trainer = caller.f_locals.get("self")
+            if not (hasattr(trainer, pins.TRAINER_BUFFER.name) or _is_verl(trainer)):
                 return  # not the trainer calling: try again at the next submission
             self._window = None
-            if not watch_replay_buffer(buffer, reporter):
-                log.warning("tqmon: %s is not a verl replay buffer; the window is not reported", type(buffer).__name__)
-        except Exception:
+            found = pins.difference(pins.TRAINER_BUFFER, trainer)
+            if found is not None:
+                reason = refusal("not watching the replay buffer", [found])
+                log.warning(reason)
+                state.report("refused", reason)
+                return
+            unknown = pins.differences(trainer, pins.TRAINER_SUBMITTERS)
+            if unknown:
+                instead = "submissions through them are counted as unknown"
+                log.warning(refusal("verl functions submissions are classified by differ", unknown, instead))
+            watch_replay_buffer(getattr(trainer, pins.TRAINER_BUFFER.name), reporter, state.report)
+        except Exception as err:
             self._window = None
             log.exception("tqmon: could not watch the replay buffer")
+            state.report("failed", f"watching the replay buffer: {type(err).__name__}: {err}")

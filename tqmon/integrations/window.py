@@ -6,8 +6,10 @@ partition, the prompt keys by status (``pending_keys`` … ``failure_keys``), ea
 (``prompt_global_steps``) and the trajectory keys (``partitions``). :class:`WindowReporter` turns those into
 ``window_observed`` events (``observer: replay_buffer``), so the sidecar need not list TransferQueue itself.
 
-Framework-agnostic apart from those attribute names; ``tqmon.integrations.verl`` finds the buffer and calls
-:meth:`WindowReporter.synced` after each sync and :meth:`WindowReporter.sampled` after a batch is taken.
+Framework-agnostic apart from those attribute names (pinned in ``tqmon.integrations.pins``);
+``tqmon.integrations.verl`` finds the buffer and calls :meth:`WindowReporter.synced` after each sync and
+:meth:`WindowReporter.sampled` after a batch is taken, inside its guard: a failure to read the buffer raises
+to that guard, and a failure on the reporter's thread goes to ``on_error``, so the hooks come off at the first.
 
 Cost on the trainer's thread, per sync: C-level copies of the prompt keys' sets and steps (O(prompt groups)) and
 of the trajectory key list. Counting by status and step, the orphan count (one split and one lookup per
@@ -21,7 +23,7 @@ import logging
 import threading
 import time
 from collections import Counter
-from collections.abc import Collection, Mapping
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from itertools import repeat
@@ -104,16 +106,29 @@ def read_buffer(buffer: Any, partition: str, at: float, removed: Collection[str]
 
 
 class WindowReporter:
-    """Posts the newest replay-buffer view at most once per ``interval`` from a daemon thread; never raises."""
+    """Posts the newest replay-buffer view at most once per ``interval`` from a daemon thread.
 
-    def __init__(self, sink: Sink, ids: str, interval: float = DEFAULT_INTERVAL, clock: Any = time.time) -> None:
+    ``on_error`` hears a view that could not be made into events on that thread (the thread never raises);
+    :meth:`stop` drops a view not yet posted and refuses new ones.
+    """
+
+    def __init__(
+        self,
+        sink: Sink,
+        ids: str,
+        interval: float = DEFAULT_INTERVAL,
+        clock: Any = time.time,
+        on_error: Callable[[Exception], None] | None = None,
+    ) -> None:
         self._sink = sink
         self._ids = ids
         self._interval = interval
         self._clock = clock
+        self.on_error = on_error
         self._latest: list[BufferView] | None = None
         self._wake = threading.Condition()
         self._thread: threading.Thread | None = None
+        self._stopped = False
         self._posted = 0
         self.offered = 0  # views offered by syncs and samples; posted ones are fewer under the rate limit
 
@@ -123,20 +138,20 @@ class WindowReporter:
 
     def synced(self, buffer: Any) -> None:
         """After verl's ``_sync_metadata_from_transfer_queue``: every partition as the buffer now sees it."""
-        try:
-            at = self._clock()
-            self._offer([read_buffer(buffer, partition, at) for partition in PARTITIONS])
-        except Exception:
-            log.exception("tqmon: could not read the replay buffer after its sync")
+        at = self._clock()
+        self._offer([read_buffer(buffer, partition, at) for partition in PARTITIONS])
 
     def sampled(self, buffer: Any, partition: str, selected: Collection[str]) -> None:
         """After verl's ``_materialize_batch``: the batch's prompt keys are gone from TransferQueue (their
         trajectories stay until the trainer clears them after the step)."""
-        try:
-            at = self._clock()
-            self._offer([read_buffer(buffer, p, at, selected if p == partition else ()) for p in PARTITIONS])
-        except Exception:
-            log.exception("tqmon: could not read the replay buffer after a sample")
+        at = self._clock()
+        self._offer([read_buffer(buffer, p, at, selected if p == partition else ()) for p in PARTITIONS])
+
+    def stop(self) -> None:
+        """Post nothing more: the view waiting for its turn is dropped, later ones are refused."""
+        with self._wake:
+            self._stopped, self._latest = True, None
+            self._wake.notify_all()
 
     def flush(self, timeout: float) -> bool:
         """Wait until the newest view was handed to the sink; False on timeout."""
@@ -151,6 +166,8 @@ class WindowReporter:
 
     def _offer(self, views: list[BufferView]) -> None:
         with self._wake:
+            if self._stopped:
+                return
             self._latest = views
             self.offered += 1
             if self._thread is None:
@@ -170,9 +187,14 @@ class WindowReporter:
             self._post(views)
 
     def _post(self, views: list[BufferView]) -> None:
-        for view in views:
-            try:
-                self._sink.post(view.event(f"{self._ids}/window/{view.partition}/{self._posted}"))
-            except Exception:  # a view verl's sets could not make (a prompt without global_steps): say so, go on
-                log.exception("tqmon: could not report the %s window", view.partition)
+        try:
+            events = [view.event(f"{self._ids}/window/{view.partition}/{self._posted}") for view in views]
+        except Exception as err:  # sets verl's code no longer fills as pinned (a prompt without global_steps)
+            if self.on_error is None:
+                log.exception("tqmon: could not report the replay buffer's window")
+            else:
+                self.on_error(err)
+            return
+        for event in events:
+            self._sink.post(event)
         self._posted += 1

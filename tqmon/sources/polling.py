@@ -48,13 +48,19 @@ class PollingLoop:
         self._retry_after = retry_after
         self._interrupt = interrupt
         self._stop = threading.Event()
+        self._wake = threading.Event()  # ends the wait before the next poll early (stop, or wake)
         self._thread = threading.Thread(target=self._run, name=f"tqmon-{name}", daemon=True)
 
     def start(self) -> None:
         self._thread.start()
 
+    def wake(self) -> None:
+        """Re-decide now rather than at the end of the wait: what the wait was for changed."""
+        self._wake.set()
+
     def stop(self) -> None:
         self._stop.set()
+        self._wake.set()
         if self._interrupt is not None:
             self._interrupt()
         if self._thread.is_alive():  # a source may be polled directly, without the thread
@@ -62,7 +68,8 @@ class PollingLoop:
 
     def _run(self) -> None:
         while not self._stop.is_set():
-            self._stop.wait(self.poll_once())
+            self._wake.wait(self.poll_once())
+            self._wake.clear()
 
     def poll_once(self) -> float:
         """One poll under the shared error policy; returns the seconds to wait."""

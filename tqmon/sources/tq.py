@@ -372,6 +372,7 @@ class TQSource:
             self.name, stale_after=self.horizon(budget.settings.max_interval), watching=f"Ray cluster {poller.address}"
         )
         tracker.drop_windows(self.name, self._view(budget.settings.max_interval, None))
+        tracker.on_plugin_stopped(self._loop.wake)  # its window is gone: stop backing off for it at once
 
     def start(self) -> None:
         self._loop.start()
