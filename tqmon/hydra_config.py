@@ -52,25 +52,20 @@ def read_setting(path: Path, key: str) -> Any:
 
 def load_trainer_config(path: Path) -> GivenConfig:
     """The trainer mode and config from a resolved or unresolved verl config file."""
-    from omegaconf import OmegaConf
-    from omegaconf.errors import OmegaConfBaseException
-
     cfg = _load(path)
+    mode, config = trainer_settings(cfg, str(path))
+    names = [_select(cfg, key, str(path), None) for key in RUN_NAME_KEYS]
+    run_id = "/".join(str(name) for name in names if name not in (None, ""))
+    return GivenConfig(mode, config, f"file:{path}", run_id)
 
-    def get(key: str, default: Any = _MISSING) -> Any:
-        try:
-            value = OmegaConf.select(cfg, key, default=_MISSING, throw_on_resolution_failure=True)
-        except OmegaConfBaseException as err:
-            raise HydraConfigError(f"{path}: cannot resolve {key}: {err}") from None
-        if value is _MISSING:
-            if default is _MISSING:
-                raise HydraConfigError(f"{path}: {key} is missing (is this verl's .hydra/config.yaml?)")
-            return default
-        return value
 
-    mode = get("trainer.v1.trainer_mode")
+def trainer_settings(cfg: Any, origin: str) -> tuple[str, TrainerConfig]:
+    """The trainer mode and each :class:`TrainerConfig` setting at its declared verl path, from a loaded
+    OmegaConf config: Hydra's saved file here, the trainer's live config in the verl plugin. ``origin``
+    names it in errors."""
+    mode = _select(cfg, "trainer.v1.trainer_mode", origin)
     if mode not in TRAINER_MODES:
-        raise HydraConfigError(f"{path}: trainer.v1.trainer_mode is {mode!r}, not one of {sorted(TRAINER_MODES)}")
+        raise HydraConfigError(f"{origin}: trainer.v1.trainer_mode is {mode!r}, not one of {sorted(TRAINER_MODES)}")
     values: dict[str, Any] = {}
     for name, spec in TrainerConfig.model_fields.items():
         key = verl_setting(name).path
@@ -78,12 +73,25 @@ def load_trainer_config(path: Path) -> GivenConfig:
             values[name] = 0  # verl has no trainer.v1.sync section: sync mode has no warmup
             continue
         default = _MISSING if spec.is_required() else spec.default
-        value = get(key.replace("<mode>", str(mode)), default)
+        value = _select(cfg, key.replace("<mode>", str(mode)), origin, default)
         values[name] = default if value is None and spec.annotation is bool else value  # an absent section
     try:
-        config = TrainerConfig(**values)
+        return str(mode), TrainerConfig(**values)
     except ValidationError as err:
-        raise HydraConfigError(f"{path}: {describe_validation(err)}") from None
-    names = [get(key, None) for key in RUN_NAME_KEYS]
-    run_id = "/".join(str(name) for name in names if name not in (None, ""))
-    return GivenConfig(str(mode), config, f"file:{path}", run_id)
+        raise HydraConfigError(f"{origin}: {describe_validation(err)}") from None
+
+
+def _select(cfg: Any, key: str, origin: str, default: Any = _MISSING) -> Any:
+    """One key, interpolations resolved; ``default`` when absent, an error naming the key when required."""
+    from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+
+    try:
+        value = OmegaConf.select(cfg, key, default=_MISSING, throw_on_resolution_failure=True)
+    except OmegaConfBaseException as err:
+        raise HydraConfigError(f"{origin}: cannot resolve {key}: {err}") from None
+    if value is _MISSING:
+        if default is _MISSING:
+            raise HydraConfigError(f"{origin}: {key} is missing (is this verl's .hydra/config.yaml?)")
+        return default
+    return value

@@ -31,12 +31,13 @@ from verl.utils.ray_utils import auto_await
 
 from tqmon.composition import Composition, compose
 from tqmon.events import PLUGIN_REASON_LENGTH, CheckpointSaved, PluginStateChanged, PluginWindow, RunStarted
+from tqmon.hydra_config import trainer_settings
 from tqmon.integrations import pins
 from tqmon.integrations.logs import RateLimitedLog
 from tqmon.integrations.poster import EventPoster
 from tqmon.integrations.resume import StartReporter, Submission
 from tqmon.integrations.window import DEFAULT_INTERVAL, WindowReporter
-from tqmon.warmup import TrainerConfig
+from tqmon.warmup import TQ_DIR, TRAIN
 
 try:
     from verl.trainer.ppo.checkpoint_callback import CheckpointCallback
@@ -45,7 +46,6 @@ except ImportError:  # verl 0.9.0 has no checkpoint callbacks; the agent-loop ma
 
 log = logging.getLogger("tqmon.integrations")
 
-TRAIN = "train"
 # The verl functions a submission passes through, by what the submission is (pinned: pins.SUBMITTERS).
 SUBMITTERS: tuple[tuple[Submission, frozenset[str]], ...] = tuple(
     (kind, frozenset(pin.name for pin in functions)) for kind, functions in pins.SUBMITTERS
@@ -69,25 +69,6 @@ def classify(frame: FrameType | None) -> Submission:
         if not names.isdisjoint(functions):
             return kind
     return "unknown"
-
-
-def trainer_settings(config: Any) -> tuple[str, TrainerConfig]:
-    """The trainer mode and the warmup-relevant settings of a verl config (``events.TrainerConfig``)."""
-    v1 = config.trainer.v1
-    mode = str(v1.trainer_mode)
-    sampler = v1.get("sampler", {})
-    filter_groups = config.get("algorithm", {}).get("filter_groups", None)
-    return mode, TrainerConfig(
-        train_batch_size=int(config.data.train_batch_size),
-        gen_batch_size=config.data.get("gen_batch_size", None),
-        num_warmup_batches=float(v1.get(mode, {}).get("num_warmup_batches", 0)),
-        skip_rollout_tq=bool(config.get("skip", {}).get("rollout_tq", {}).get("enable", False)),
-        max_off_policy_threshold=sampler.get("max_off_policy_threshold", 8),
-        max_off_policy_strategy=sampler.get("max_off_policy_strategy", "drop"),
-        filter_groups=bool(filter_groups is not None and filter_groups.get("enable", False)),
-        filter_groups_metric=None if filter_groups is None else filter_groups.get("metric", None),
-        rollout_n=config.get("actor_rollout_ref", {}).get("rollout", {}).get("n", None),
-    )
 
 
 def resume_folder(config: Any) -> str | None:
@@ -142,7 +123,7 @@ class _Plugin:
         self.poster = EventPoster(url, os.environ.get("TQMON_TOKEN")) if url else None
         self.run_id = str(config.trainer.get("experiment_name", "") or "verl")
         self.ids = f"{self.run_id}/{uuid.uuid4().hex[:12]}"  # one trainer process is one start
-        self.mode, self.settings = trainer_settings(config)
+        self.mode, self.settings = trainer_settings(config, "verl's trainer config")
         self.window: WindowReporter | None = None
         self._states = 0  # plugin_state_changed events posted
         self._lock = threading.Lock()
@@ -368,7 +349,7 @@ class TqmonAgentLoopManager(AgentLoopManagerTQ):  # type: ignore[misc]
             return
         try:
             folder = resume_folder(self.config)
-            restored = folder is not None and os.path.exists(os.path.join(folder, "transfer_queue"))
+            restored = folder is not None and os.path.exists(os.path.join(folder, TQ_DIR))
             step = int(folder.rsplit("global_step_", 1)[-1]) if folder is not None else None
             sync = self.config.trainer.v1.trainer_mode == "sync"
             self._tqmon.started(step, folder, window() if restored and not sync else None)
