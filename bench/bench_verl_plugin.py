@@ -12,7 +12,7 @@ Run with ``.venv/bin/python bench/bench_verl_plugin.py`` (needs the ``verl`` ext
 - the plugin-fed window, per replay-buffer sync at 10k and 100k keys, next to verl's own processing of the
   same reply in ``_sync_metadata_from_transfer_queue`` (verl's real method; its ``tq.kv_list`` here returns
   the prepared reply, so the controller round trip, the same with or without the plugin, is left out):
-  ``WindowReporter.synced`` on the trainer's thread (counts by status and step, copies of the key sets), and
+  ``WindowReporter.synced`` on the trainer's thread (C-level copies of the key sets and steps), and
   the events with the orphan count that the reporter's thread builds at most once a second.
 - the plugin's GIL time on the trainer process at 100k keys: verl's sync run back to back on the trainer's
   thread (the most syncs, so the most views, the plugin can be offered), alone and watched by the plugin
