@@ -5,6 +5,13 @@ PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 TORCH_VERSION := 2.13.0
+# torch's build for this venv (cpu, or e.g. cu126) and the index serving it, as in the Dockerfile. pip's own
+# configuration is used alone when it already resolves torch to that build (a local wheel, a mirror: the index
+# is then never contacted); otherwise TORCH_INDEX_URL is added as an extra index, so torch's dependencies
+# still come from the configured one and its 2.13.0+cpu outranks the default index's CUDA 2.13.0.
+# `make TORCH_INDEX_URL=` takes whatever pip's configuration resolves (the CUDA build from PyPI on Linux).
+TORCH_VARIANT ?= cpu
+TORCH_INDEX_URL ?= https://download.pytorch.org/whl/$(TORCH_VARIANT)
 
 CHECKOV_VENV := .venv-checkov
 CHECKOV_VERSION := 3.3.30
@@ -15,7 +22,12 @@ $(BIN)/tqmon: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
 	# CPU torch first: transferqueue depends on torch, and pip would otherwise fetch a multi-GB CUDA build.
-	$(BIN)/pip install --quiet torch==$(TORCH_VERSION)
+	if [ -z "$(TORCH_INDEX_URL)" ] || $(BIN)/pip install --quiet --dry-run --no-deps --report - torch==$(TORCH_VERSION) \
+	    | grep -F '"version": "$(TORCH_VERSION)+$(TORCH_VARIANT)"' >/dev/null; then \
+	  $(BIN)/pip install --quiet torch==$(TORCH_VERSION); \
+	else \
+	  $(BIN)/pip install --quiet --extra-index-url $(TORCH_INDEX_URL) torch==$(TORCH_VERSION); \
+	fi
 	$(BIN)/pip install --quiet -e '.[dev,tq,otel,verl]'
 	touch $@
 

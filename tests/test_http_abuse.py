@@ -1,9 +1,14 @@
-"""The HTTP server under abuse, over real sockets against ``tqmon serve``: slowloris heads, a slow body,
-hundreds of idle connections and a flood of small posts from one client. ``/metrics`` and ``/healthz``
-keep answering within their normal latency, and the abusive connections are closed by the server."""
+"""The HTTP server under abuse, over real sockets against ``tqmon serve``: slowloris heads (on new and on
+keep-alive connections), a slow body, hundreds of idle connections and a flood of small posts from one client.
+``/metrics`` and ``/healthz`` keep answering within their normal latency, and the abusive connections are closed
+by the server after their deadline, not before. The slowloris deadline is ``GuardedH11Protocol``'s, which
+overrides methods of uvicorn's internal ``H11Protocol``: those are checked against the installed uvicorn too."""
 
 from __future__ import annotations
 
+import inspect
+import re
+import select
 import socket
 import statistics
 import threading
@@ -12,9 +17,10 @@ from collections import Counter
 from collections.abc import Callable
 
 import httpx
+from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from tests.conftest import TqmonProcess
-from tqmon.httpserver import BODY_TIMEOUT_SECONDS, HEAD_TIMEOUT_SECONDS
+from tqmon.httpserver import BODY_TIMEOUT_SECONDS, HEAD_TIMEOUT_SECONDS, GuardedH11Protocol
 
 Factory = Callable[..., TqmonProcess]
 IDLE_CONNECTIONS = 400
@@ -22,6 +28,13 @@ IDLE_CONNECTIONS = 400
 # the event loop (the failure this guards) costs seconds.
 FLOOR_SECONDS = 0.5
 SLOWLORIS = 100
+# The H11Protocol methods GuardedH11Protocol overrides, and their parameters in the uvicorn pyproject.toml pins.
+HOOKS = {
+    "connection_made": ["self", "transport"],
+    "connection_lost": ["self", "exc"],
+    "handle_events": ["self"],
+    "on_response_complete": ["self"],
+}
 
 
 def latencies(proc: TqmonProcess, seconds: float) -> list[float]:
@@ -48,6 +61,36 @@ def connect(proc: TqmonProcess) -> socket.socket:
     return sock
 
 
+def open_and_silent(sock: socket.socket) -> bool:
+    """True while the server has neither closed the connection nor written to it (nothing to read yet)."""
+    poller = select.poll()
+    poller.register(sock, select.POLLIN)  # readable: data or EOF
+    return not poller.poll(0)
+
+
+def one_response(sock: socket.socket) -> bytes:
+    """Read one whole response (head and ``Content-Length`` body) and return its head."""
+    data = b""
+    while b"\r\n\r\n" not in data:
+        data += sock.recv(65536)
+    head, _, body = data.partition(b"\r\n\r\n")
+    length = re.search(rb"(?i)\r\ncontent-length: *(\d+)", head)
+    assert length is not None, head
+    while len(body) < int(length[1]):
+        body += sock.recv(65536)
+    return head
+
+
+def test_the_slowloris_guard_overrides_methods_uvicorn_still_has() -> None:
+    """A uvicorn that renamed or re-signed one of these would never call the override: the guard disarmed,
+    with every request still answered. The test below checks the deadline over real HTTP."""
+    overrides = {name for name, value in vars(GuardedH11Protocol).items() if callable(value) and name[0] != "_"}
+    assert overrides == set(HOOKS)
+    for name, parameters in HOOKS.items():
+        assert name in vars(H11Protocol), f"uvicorn's H11Protocol no longer defines {name}"
+        assert list(inspect.signature(vars(H11Protocol)[name]).parameters) == parameters, name
+
+
 def closed_by_server(sock: socket.socket) -> bool:
     """True when the server closed the connection (EOF), whatever it wrote first (a 408 is fine)."""
     try:
@@ -68,6 +111,13 @@ def test_slowloris_idle_and_slow_body_connections_do_not_slow_metrics_and_are_cl
     slow_heads = [connect(proc) for _ in range(SLOWLORIS)]
     for sock in slow_heads:
         sock.sendall(b"GET /metrics HTTP/1.1\r\nHost: 127.0.0.1\r\n")
+    # A keep-alive connection whose second head never finishes: uvicorn's keep-alive timeout stops at its first
+    # byte, so only the deadline GuardedH11Protocol re-arms after each response closes it.
+    keep_alive = connect(proc)
+    keep_alive.sendall(b"GET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
+    assert one_response(keep_alive).startswith(b"HTTP/1.1 200")
+    keep_alive.sendall(b"GET /metrics HTTP/1.1\r\nHost: 127.0.0.1\r\n")
+    slow_heads.append(keep_alive)
     slow_body = connect(proc)
     slow_body.sendall(
         b"POST /api/v1/events HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
@@ -76,6 +126,7 @@ def test_slowloris_idle_and_slow_body_connections_do_not_slow_metrics_and_are_cl
     opened = time.monotonic()
     under_abuse: list[float] = []
     while time.monotonic() - opened < HEAD_TIMEOUT_SECONDS - 2:
+        assert all(open_and_silent(sock) for sock in slow_heads)  # not closed before the deadline
         for sock in slow_heads:  # one more header line each second: a slowloris never finishes its head
             sock.sendall(b"X-Slow: 1\r\n")
         under_abuse += latencies(proc, 1.0)
@@ -88,6 +139,7 @@ def test_slowloris_idle_and_slow_body_connections_do_not_slow_metrics_and_are_cl
     assert all(closed_by_server(sock) for sock in idle)
     reply = slow_body.recv(65536)
     assert reply.startswith(b"HTTP/1.1 408") and b'"too_slow"' in reply
+    assert closed_by_server(slow_body)
     for sock in [*idle, *slow_heads, slow_body]:
         sock.close()
     assert 'tqmon_events_rejected_total{reason="too_slow"} 1.0' in proc.metrics()

@@ -27,25 +27,30 @@ UVICORN_LIMITS: dict[str, Any] = {
 
 
 class GuardedH11Protocol(H11Protocol):
-    """uvicorn's h11 protocol plus a deadline on the request head (slowloris)."""
+    """uvicorn's h11 protocol plus a deadline on the request head (slowloris).
+
+    It overrides four methods of uvicorn's internal ``H11Protocol``, each passing on whatever uvicorn passes.
+    pyproject.toml pins uvicorn below its next minor, and tests/test_http_abuse.py fails if a release renames
+    or re-signs one (the override would silently never run) or if the guard stops closing a slowloris.
+    """
 
     _head_deadline: asyncio.TimerHandle | None = None
 
-    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
-        super().connection_made(transport)
+    def connection_made(self, *args: Any, **kwargs: Any) -> None:
+        super().connection_made(*args, **kwargs)
         self._arm_head_deadline()
 
-    def connection_lost(self, exc: Exception | None) -> None:
+    def connection_lost(self, *args: Any, **kwargs: Any) -> None:
         self._disarm_head_deadline()
-        super().connection_lost(exc)
+        super().connection_lost(*args, **kwargs)
 
-    def handle_events(self) -> None:
-        super().handle_events()
+    def handle_events(self, *args: Any, **kwargs: Any) -> None:
+        super().handle_events(*args, **kwargs)
         if self.conn.their_state is not h11.IDLE:  # the head arrived (or the connection is done)
             self._disarm_head_deadline()
 
-    def on_response_complete(self) -> None:
-        super().on_response_complete()
+    def on_response_complete(self, *args: Any, **kwargs: Any) -> None:
+        super().on_response_complete(*args, **kwargs)
         if not self.transport.is_closing():
             self._arm_head_deadline()  # the next request on this keep-alive connection gets its own deadline
 
