@@ -39,10 +39,7 @@ class VerlVersion:
     def describe(self) -> str:
         """ "verl 0.9.1 (from run_started: ...)", or what an unknown version means."""
         if self.source is None:
-            return (
-                "verl version unknown (no run_started from the plugin, no telling log line, no "
-                f"{FLAG}, no verl installed next to tqmon): both warmups predicted"
-            )
+            return "verl version unknown: no source named a release, so both warmups are predicted"
         return f"verl {self.version} (from {self.source}{': ' + self.detail if self.detail else ''})"
 
 

@@ -124,8 +124,8 @@ class Preflight:
         notes = []
         if self.version.semantics is None:
             notes.append(
-                "the verl version is unknown, so both warmups are predicted: give --verl-version, or run tqmon next "
-                "to the trainer's verl"
+                "the verl version is unknown, so both warmups are predicted: give the trainer's --log or "
+                "--verl-version, or run tqmon next to the trainer's verl"
             )
         if self.config is not None and any(r.semantics == LEGACY and r.submitted is None for r in self.predicted):
             try:
