@@ -513,7 +513,7 @@ def render(snapshot: Snapshot, now: float) -> str:
         f"<title>tqmon — {_e(verdict(snapshot.last_record) if snapshot.last_record else 'no start yet')}</title>"
         f'<link rel="icon" href="data:,"><noscript><meta http-equiv="refresh" content="{REFRESH_SECONDS}"></noscript>'
         f"<style>{STYLE}</style></head><body>"
-        f'<header><h1>tqmon {_e(snapshot.version)}</h1><span class="meta">{_e(_run(snapshot))}</span>'
+        f'<header><h1>tqmon {_e(snapshot.version)}</h1><span class="meta" id="header-meta">{_e(_run(snapshot))}</span>'
         f'<nav>{links}</nav><span class="live" id="live" data-refreshed="0">rendered '
         f"{_e(_utc(now)[11:19])} UTC, every {REFRESH_SECONDS}s</span></header>{main}"
         f"<script>{REFRESH_SCRIPT % (REFRESH_SECONDS, REFRESH_SECONDS)}</script></body></html>"
