@@ -538,7 +538,8 @@ def verl_0_9_0_trainer() -> type:
     """verl's real trainer with verl 0.9.0's warmup, which ignored the restore: ``num_warmup_batches`` times
     verl's own ``_add_batch_to_generate`` (one train batch each) in ``on_train_begin``, then its log line."""
     from verl.trainer.ppo.v1 import PPOTrainerColocateAsync
-    from verl.trainer.ppo.v1.trainer_colocate_async import logger
+
+    logger = logging.getLogger("verl.trainer.ppo.v1.trainer_colocate_async")  # where 0.9.0 logged its line
 
     class Verl090(PPOTrainerColocateAsync):  # type: ignore[misc]
         def on_train_begin(self) -> None:
@@ -572,7 +573,7 @@ def test_inspect_predicted_a_verl_0_9_0_resume(
     verl = resume(tq, tmp_path, LEGACY_CASE, verl_0_9_0_trainer())
 
     # verl 0.9.0 submitted two whole batches on top of R = 9: the window holds 17 of T = 8.
-    assert (verl.restored, verl.warmup_submitted, verl.dispatched[:3]) == (9, 8, [3, 8, B])
+    assert (verl.restored, verl.warmup_submitted, verl.dispatched[:4]) == (9, 8, [3, B, B, B])  # K, 2 batches, step
     assert (predicted["verl_version"]["source"], predicted["warmup_state"]) == ("flag", "legacy_unconditional")
     assert (predicted["target"], predicted["warmup_submitted"]) == (8, verl.warmup_submitted)
     assert predicted["over_filled"] == verl.restored + verl.warmup_submitted - predicted["target"] == 9
