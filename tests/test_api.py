@@ -118,6 +118,7 @@ RESUME_RECORD: dict[str, Any] = {
     "expected": 6,
     "submitted": 6,
     "over_restored": 0,
+    "over_filled": 0,  # R + M - T: 6 + 6 - 12
     "doomed": {"failure": 1, "filtered": 0},
     "under_submitted": 1,
     "warmup_state": "topped_up",
@@ -257,6 +258,8 @@ def test_each_event_type_posted_singly_changes_the_state(tqmon_factory: Factory)
     proc = tqmon_factory(env=NOT_UTC).start()
     empty = status(proc)
     assert (empty["run"], empty["records"], empty["resumes_total"], empty["trainer_step"]) == (None, [], 0, None)
+    installed = {"version": "0.9.1", "source": "installed", "semantics": "verl-0.9.1"}  # the venv pins verl 0.9.1
+    assert {key: empty["verl_version"][key] for key in installed} == installed
     assert_series(proc, {"tqmon_resumes_total": 0, "tqmon_trainer_global_step": None})
     one = {"accepted": 1, "applied": 1, "duplicates": 0}
 
@@ -280,6 +283,8 @@ def test_each_event_type_posted_singly_changes_the_state(tqmon_factory: Factory)
         "config_source": "events",
     }
     assert (now["target_window"], now["records"], now["resumes_total"]) == (12, [], 0)
+    told = {"version": "0.9.1", "source": "run_started", "semantics": "verl-0.9.1", "detail": "the verl plugin"}
+    assert now["verl_version"] == told  # the plugin's word outranks the installed verl
     assert_series(
         proc,
         {

@@ -42,6 +42,7 @@ from tqmon.snapshot import Tally
 from tqmon.sources.checkpoint import CheckpointSource
 from tqmon.store import StateStore
 from tqmon.tracker import Tracker
+from tqmon.versions import FLAG, installed, named
 from tqmon.warmup import GivenConfig, TrainerConfig
 
 os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"  # before ray is imported (in the fixture)
@@ -266,9 +267,17 @@ def test_inspect_with_config_predicts_the_deficit(saved: dict[str, Any]) -> None
     text = run_inspect(*args).stdout
     assert text.splitlines()[0] == (
         "resuming from step 40 will restore 20 prompt groups: 3 pending, 2 running, 11 finished (4 stale), "
-        "4 failed; warmup will submit 4; useful window right after warmup 16 of 24 — under-submitted by 8"
+        "4 failed; verl 0.9.1's warmup will submit 4; useful window right after warmup 16 of 24 — under-submitted by 8"
     )
+    # The version is the verl installed next to tqmon (the venv pins 0.9.1), and the output says so.
+    assert "verl 0.9.1 (from installed: the verl package next to tqmon)" in words(text)
     data = inspect_json(*args)
+    assert data["verl_version"] == {
+        "version": "0.9.1",
+        "semantics": "verl-0.9.1",
+        "source": "installed",
+        "detail": "the verl package next to tqmon",
+    }
     assert data["doomed"] == {"failure": 4, "stale": 4, "filtered": 0}
     assert (data["target"], data["warmup_submitted"], data["over_restored"]) == (24, 4, 0)
     assert (data["useful_after_warmup"], data["under_submitted"], data["warmup_state"]) == (16, 8, "topped_up")
@@ -296,6 +305,114 @@ def test_inspect_config_from_env_default_threshold_and_over_restore(saved: dict[
     data = inspect_json(str(saved["root"]), "--trainer-mode", "sync", env=env)  # verl restores no TQ state
     assert (data["restored"], data["reissued"], data["target"], data["warmup_state"]) == (0, 0, 0, "sync_mode")
     assert data["by_status"] == STEP40  # what the checkpoint holds, all the same
+
+
+LEGACY_LINE = "INFO:2026-11-28 22:14:03,123:Added 3 warmup batches to the agent loop manager\n"
+CURRENT_LINE = "INFO:2026-11-28 22:14:03,123:Restored 20 training prompt groups from TransferQueue\n"
+
+
+@pytest.fixture
+def no_verl_installed(monkeypatch: pytest.MonkeyPatch) -> None:
+    """tqmon without verl next to it: the installed version tells nothing."""
+    import importlib.metadata
+
+    real = importlib.metadata.version
+
+    def version(name: str) -> str:
+        if name == "verl":
+            raise importlib.metadata.PackageNotFoundError(name)
+        return real(name)
+
+    monkeypatch.setattr(importlib.metadata, "version", version)
+
+
+def test_inspect_predicts_verl_0_9_0s_unconditional_warmup(saved: dict[str, Any]) -> None:
+    """verl 0.9.0 submits num_warmup_batches whole batches whatever R: M = 3 x 8 = 24 on top of R = 20."""
+    args = [str(saved["root"]), *CONFIG_FLAGS, "--max-off-policy-threshold", "4", "--verl-version", "0.9.0"]
+    text = run_inspect(*args).stdout
+    assert text.splitlines()[0] == (
+        "resuming from step 40 will restore 20 prompt groups: 3 pending, 2 running, 11 finished (4 stale), "
+        "4 failed; verl 0.9.0's warmup will submit 24; useful window right after warmup 36 of 24 — over-filled by "
+        "20 (R + M - T: the warmup ignores R; kept all run)"
+    )
+    assert "verl 0.9.0 (from flag: --verl-version (TQMON_VERL_VERSION))" in words(text)
+    assert "warmup M 24 (legacy_unconditional)" in words(text) and "over-filled 20 (R + M - T)" in words(text)
+    data = inspect_json(*args)
+    assert (data["verl_version"]["semantics"], data["verl_version"]["source"]) == ("verl-0.9.0", "flag")
+    assert (data["target"], data["warmup_submitted"], data["warmup_state"]) == (24, 24, "legacy_unconditional")
+    assert (data["over_restored"], data["over_filled"], data["useful_after_warmup"]) == (0, 20, 36)
+    assert data["under_submitted"] == 0
+    assert [p["semantics"] for p in data["predictions"]] == ["verl-0.9.0"]
+    # The same from the environment variable.
+    env = {"TQMON_VERL_VERSION": "0.9.0"}
+    assert inspect_json(str(saved["root"]), *CONFIG_FLAGS, env=env)["warmup_submitted"] == 24
+
+
+def test_inspect_with_an_unknown_version_says_so_and_predicts_both_warmups(
+    saved: dict[str, Any], no_verl_installed: None
+) -> None:
+    args = [str(saved["root"]), *CONFIG_FLAGS, "--max-off-policy-threshold", "4"]
+    data = inspect_json(*args)
+    assert data["verl_version"] == {"version": None, "semantics": None, "source": None, "detail": None}
+    current, legacy = data["predictions"]
+    assert (current["semantics"], current["warmup_submitted"], current["warmup_state"]) == (
+        "verl-0.9.1",
+        4,
+        "topped_up",
+    )
+    assert (current["useful_after_warmup"], current["under_submitted"], current["over_filled"]) == (16, 8, 0)
+    assert (legacy["semantics"], legacy["warmup_submitted"]) == ("verl-0.9.0", 24)
+    assert (legacy["useful_after_warmup"], legacy["under_submitted"], legacy["over_filled"]) == (36, 0, 20)
+    # Where the warmups agree the top level says it; where they differ it stays open rather than pick one.
+    assert (data["target"], data["over_restored"]) == (24, 0)
+    assert (data["warmup_submitted"], data["warmup_state"], data["under_submitted"]) == (None, None, None)
+    assert any("the verl version is unknown" in note for note in data["notes"])
+
+    text = run_inspect(*args).stdout
+    assert words(text.splitlines()[0]).endswith(
+        "4 failed; the warmup depends on the verl version, which is unknown: verl 0.9.1's warmup would submit 4; "
+        "useful window right after warmup 16 of 24 — under-submitted by 8; verl 0.9.0's warmup would submit 24; "
+        "useful window right after warmup 36 of 24 — over-filled by 20 (R + M - T: the warmup ignores R; kept all run)"
+    )
+    rows = [words(line) for line in text.splitlines()]
+    assert "warmup of verl-0.9.1 verl-0.9.0" in rows  # a column per warmup
+    assert "warmup M 4 (topped_up) 24 (legacy_unconditional)" in rows
+    assert "over-filled 0 20 (R + M - T)" in rows
+    assert "under-submitted 8 0" in rows
+    assert "verl verl version unknown: no source named a release, so both warmups are predicted" in words(text)
+
+
+def test_inspect_reads_the_version_from_the_logs_own_lines(
+    saved: dict[str, Any], tmp_path: Path, no_verl_installed: None
+) -> None:
+    """The log beats --verl-version: 0.9.0's warmup line, or a line only 0.9.1 writes."""
+    legacy, current = tmp_path / "legacy.log", tmp_path / "current.log"
+    legacy.write_text(
+        "INFO:2026-11-28 22:14:01,000:Resuming from /c/global_step_40, setting global step to 40\n" + LEGACY_LINE
+    )
+    current.write_text(CURRENT_LINE)
+    args = [str(saved["root"]), *CONFIG_FLAGS]
+    data = inspect_json(*args, "--log", str(legacy), "--verl-version", "0.9.1")
+    assert (data["verl_version"]["semantics"], data["verl_version"]["source"]) == ("verl-0.9.0", "log")
+    assert data["verl_version"]["version"] == "<0.9.1" and "Added 3 warmup batches" in data["verl_version"]["detail"]
+    assert data["warmup_submitted"] == 24
+    data = inspect_json(*args, "--log", str(current), "--verl-version", "0.9.0")
+    assert (data["verl_version"]["semantics"], data["verl_version"]["source"]) == ("verl-0.9.1", "log")
+    assert data["warmup_submitted"] == 4
+    not_a_log = tmp_path / "state.pkl"
+    not_a_log.write_bytes(b"\x80\x04K\x01.")
+    result = run_inspect(*args, "--log", str(not_a_log))
+    assert result.exit_code == 1 and "not a verl trainer log" in result.output
+
+
+def test_inspect_names_verl_0_9_0s_failure_on_a_fractional_warmup(saved: dict[str, Any]) -> None:
+    args = [str(saved["root"]), "--train-batch-size", "8", "--num-warmup-batches", "1.5", "--verl-version", "0.9.0"]
+    data = inspect_json(*args)
+    assert (data["target"], data["warmup_submitted"], data["warmup_state"]) == (12, None, "unknown")
+    assert any("1.5 is not a whole number, so its warmup raises TypeError" in note for note in data["notes"])
+    assert "verl 0.9.0's warmup fails (see note)" in run_inspect(*args).stdout.splitlines()[0]
+    result = run_inspect(str(saved["root"]), "--verl-version", "latest")
+    assert result.exit_code == 2 and "expected a verl release like 0.9.1, got 'latest'" in result.output
 
 
 def test_inspect_filter_groups_gives_a_lower_bound(saved: dict[str, Any]) -> None:
@@ -376,6 +493,58 @@ def test_source_feeds_the_tracker_and_the_metrics(root: Path) -> None:
     assert dict(view.doomed or {}) == {"failure": 6, "stale": 9, "filtered": 0}  # at step 46 every finished one
     assert view.orphan_trajectories == 0
     assert tracker.snapshot.counters[Tally.EVENTS] == {("checkpoint", "applied"): 2}
+
+
+def test_source_predicts_the_warmup_of_the_verl_version_it_knows(root: Path) -> None:
+    """The preflight series follow the version: both warmups while it is unknown, then the one it names."""
+    config = TrainerConfig(train_batch_size=8, num_warmup_batches=3, max_off_policy_threshold=4)
+    given = GivenConfig("colocate_async", config, "flags")
+    tracker = Tracker(StateStore(None), given=given)
+    CheckpointSource(root, tracker).poll()
+    text = metrics(tracker)
+    info = "tqmon_verl_version_info"
+    assert value(text, info, verl_version="", semantics="unknown", source="unknown") == 1
+    for semantics, submitted, over_filled, under in (("verl-0.9.1", 4, 0, 8), ("verl-0.9.0", 24, 20, 0)):
+        assert value(text, "tqmon_checkpoint_warmup_submitted_prompt_groups", semantics=semantics) == submitted
+        assert value(text, "tqmon_checkpoint_over_filled_prompt_groups", semantics=semantics) == over_filled
+        assert value(text, "tqmon_checkpoint_under_submitted_prompt_groups", semantics=semantics) == under
+
+    flagged = named("0.9.0", "flag", FLAG)
+    tracker = Tracker(StateStore(None), given=given, versions=[v for v in (flagged, installed()) if v is not None])
+    CheckpointSource(root, tracker).poll()
+    text = metrics(tracker)
+    assert value(text, info, verl_version="0.9.0", semantics="verl-0.9.0", source="flag") == 1
+    assert value(text, "tqmon_checkpoint_warmup_submitted_prompt_groups", semantics="verl-0.9.0") == 24
+    assert value(text, "tqmon_checkpoint_warmup_submitted_prompt_groups", semantics="verl-0.9.1") is None
+    # The plugin's run_started names the release the trainer really runs: it wins over the flag.
+    run = {"type": "run_started", "id": "run", "run_id": "r", "trainer_mode": "colocate_async", "verl_version": "0.9.1"}
+    tracker.ingest([parse_event(run | {"config": config.model_dump()})], "events")
+    text = metrics(tracker)
+    assert value(text, info, verl_version="0.9.1", semantics="verl-0.9.1", source="run_started") == 1
+    assert value(text, "tqmon_checkpoint_under_submitted_prompt_groups", semantics="verl-0.9.1") == 8
+    assert value(text, "tqmon_checkpoint_under_submitted_prompt_groups", semantics="verl-0.9.0") is None
+
+
+def test_serve_takes_the_verl_version_flag_and_refuses_a_non_release(
+    root: Path, tmp_path: Path, tqmon_factory: Any
+) -> None:
+    args = ["--checkpoint-dir", str(root), *CONFIG_FLAGS, "--checkpoint-interval", "0.2"]
+    tqmon = tqmon_factory([*args, "--verl-version", "0.9.0"]).start()
+    deadline = time.monotonic() + 20
+    text = ""
+    while time.monotonic() < deadline:
+        text = tqmon.metrics()
+        if value(text, "tqmon_checkpoint_warmup_submitted_prompt_groups", semantics="verl-0.9.0") is not None:
+            break
+        time.sleep(0.1)
+    assert value(text, "tqmon_checkpoint_warmup_submitted_prompt_groups", semantics="verl-0.9.0") == 24
+    status = httpx.get(f"{tqmon.url}/api/v1/status").json()
+    assert (status["verl_version"]["source"], status["verl_version"]["semantics"]) == ("flag", "verl-0.9.0")
+    [outcome] = status["checkpoint"]["outcomes"]
+    assert (outcome["semantics"], outcome["submitted"], outcome["over_filled"]) == ("verl-0.9.0", 24, 20)
+
+    result = CliRunner().invoke(main, ["serve", "--state-dir", str(tmp_path / "s"), "--verl-version", "latest"])
+    assert result.exit_code == 2 and "--verl-version: expected a verl release like 0.9.1, got 'latest'" in result.output
 
 
 def doomed(tracker: Tracker) -> dict[str, int] | None:

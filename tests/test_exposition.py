@@ -32,6 +32,7 @@ from tqmon.snapshot import (
     StateHealth,
     Tally,
     TQPollView,
+    WarmupOutcome,
     WindowView,
 )
 from tqmon.warmup import WarmupState
@@ -77,7 +78,7 @@ def full_snapshot(now: float = NOW) -> Snapshot:
         built_at=now,
         version="0.1.0",
         stale_after=300.0,
-        run=RunInfo("run-7", "colocate_async", "0.9.1", {"train_batch_size": 4}, "events"),
+        run=RunInfo("run-7", "colocate_async", "", {"train_batch_size": 4}, "events"),  # verl's version unreadable
         target_window=12,
         windows=(
             WindowView(
@@ -101,7 +102,16 @@ def full_snapshot(now: float = NOW) -> Snapshot:
         last_record=record,
         tq=TQPollView("ctrl-1", 2, 1.0, 0.004, 1234, now + 60),
         checkpoint=CheckpointView(
-            45, "checkpoint", {"pending": 1, "running": 1, "finished": 9, "failure": 1}, {"failure": 1}, 7
+            45,
+            "checkpoint",
+            {"pending": 1, "running": 1, "finished": 9, "failure": 1},
+            {"failure": 1},
+            7,
+            # the verl version is unknown: both warmups of R = 12, T = 12 (the stale reason unknown: a lower bound)
+            outcomes=(
+                WarmupOutcome("verl-0.9.1", 12, 0, WarmupState.SKIPPED_FULL, 0, 0, 1, True),
+                WarmupOutcome("verl-0.9.0", 12, 12, WarmupState.LEGACY_UNCONDITIONAL, 0, 12, 0, True),
+            ),
         ),
         sources=(
             SourceHealth("checkpoint", False, now - 20, 0.003, "controller_state.pkl: refused", 100.0),
@@ -168,6 +178,12 @@ def test_values_reflect_the_snapshot() -> None:
     assert 'tqmon_source_up{source="tq"} 0.0' in text  # last success 400 s ago, stale after 60
     assert 'tqmon_source_up{source="log"} 1.0' in text
     assert 'tqmon_events_rejected_total{reason="too_large"} 0.0' in text  # known-empty is 0
+    # The verl version is unknown: it says so, and the checkpoint's warmup is predicted under both semantics.
+    assert 'tqmon_verl_version_info{semantics="unknown",source="unknown",verl_version=""} 1.0' in text
+    assert 'tqmon_checkpoint_warmup_submitted_prompt_groups{semantics="verl-0.9.1"} 0.0' in text
+    assert 'tqmon_checkpoint_warmup_submitted_prompt_groups{semantics="verl-0.9.0"} 12.0' in text
+    assert 'tqmon_checkpoint_over_filled_prompt_groups{semantics="verl-0.9.0"} 12.0' in text
+    assert 'tqmon_checkpoint_under_submitted_prompt_groups{semantics="verl-0.9.1"} 1.0' in text
 
 
 def test_unknown_values_are_omitted_not_zero() -> None:
@@ -195,6 +211,7 @@ def test_unknown_values_are_omitted_not_zero() -> None:
         "tqmon_plugin_window_state",  # unobserved: no plugin and no --ray-address is a known state
         "tqmon_resumes",
         "tqmon_build_info",
+        "tqmon_verl_version_info",  # unknown, and says so
         "tqmon_events_rejected",
         "tqmon_state_writable",
         "tqmon_state_write_failures",

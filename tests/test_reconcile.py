@@ -16,7 +16,8 @@ from tqmon.derivation import predict_resume
 from tqmon.events import CheckpointSaved, GroupCount, parse_event
 from tqmon.reconcile import Reconciler
 from tqmon.snapshot import ResumeRecord
-from tqmon.warmup import GivenConfig, TrainerConfig, WarmupState, skip_reason
+from tqmon.versions import FLAG, UNKNOWN, VerlVersion, named
+from tqmon.warmup import LEGACY, GivenConfig, TrainerConfig, WarmupState, skip_reason
 
 T12 = {"train_batch_size": 4, "num_warmup_batches": 3}
 
@@ -69,7 +70,7 @@ CASES = [
         "an over-restore skips the warmup and keeps the surplus",
         resume(40, 20, target_prompt_groups=12, submitted_prompt_groups=0, skip_reason="window_full"),
         WarmupState.SKIPPED_OVER_RESTORED,
-        expect={"restored": 20, "over_restored": 8, "under_submitted": 0},
+        expect={"restored": 20, "over_restored": 8, "over_filled": 8, "under_submitted": 0},
     ),
     Case(
         "skip.rollout_tq: verl logs nothing, the config says disabled",
@@ -104,7 +105,7 @@ CASES = [
         resume(40, 9, legacy_warmup_batches=3),
         WarmupState.LEGACY_UNCONDITIONAL,
         semantics="verl-0.9.0",
-        expect={"restored": 9, "expected": 3, "submitted": 12, "over_restored": 0},
+        expect={"restored": 9, "expected": 3, "submitted": 12, "over_restored": 0, "over_filled": 9},
     ),
     Case(
         "a full-window top-up of a non-empty restore is the 0.9.0 signature",
@@ -269,6 +270,98 @@ def test_the_preflight_predicts_what_the_tracker_derives(mode: str, config: dict
 
 def _pick(record: ResumeRecord, names: tuple[str, ...]) -> dict[str, Any]:
     return {name: getattr(record, name) for name in names}
+
+
+PREDICTED = ("restored", "reissued", "target", "expected", "submitted", "over_restored", "over_filled", "doomed")
+
+
+def test_the_0_9_0_preflight_predicts_what_the_tracker_derives_from_0_9_0s_log() -> None:
+    """verl 0.9.0 logs no restore count and no T: only ``Added {n} warmup batches``. Its prediction, from the
+    checkpoint and the config, is the record the reconciler derives once that line arrives, and the line itself
+    tells the reconciler the release, so the checkpoint's prediction narrows from both warmups to 0.9.0's."""
+    trainer = TrainerConfig(**T12)
+    predicted = predict_resume(
+        saved(), reissued=3, cleared=5, config=trainer.warmup_config("colocate_async"), semantics=LEGACY
+    )
+    # R = 12 (doomed 6), T = 12; 0.9.0 submits 3 whole batches of 4 whatever R: the window starts at 24.
+    assert (predicted.semantics, predicted.warmup_state) == ("verl-0.9.0", WarmupState.LEGACY_UNCONDITIONAL)
+    assert _pick(predicted, ("restored", "target", "submitted", "over_restored", "over_filled")) == {
+        "restored": 12,
+        "target": 12,
+        "submitted": 12,
+        "over_restored": 0,
+        "over_filled": 12,
+    }
+    assert (predicted.expected, predicted.under_submitted) == (0, 0)  # 0.9.1 would have submitted nothing
+
+    state = Reconciler(GivenConfig("colocate_async", trainer, "flags"))
+    state.apply(saved(), "checkpoint", 900.0)
+    assert state.checkpoint is not None
+    assert [o.semantics for o in state.checkpoint.outcomes] == ["verl-0.9.1", "verl-0.9.0"]  # unknown yet
+    log = [
+        ev("training_started", resumed_from_step=40),
+        ev("inflight_reissued", step=41, reissued_prompt_groups=3, cleared_trajectories=5),
+        ev("warmup_decided", legacy_warmup_batches=3),
+    ]
+    for index, raw in enumerate(log):
+        state.apply(parse_event({"id": f"e{index}", **raw}), "log", 1000.0 + index)
+    live = state.records[-1]
+    assert _pick(predicted, (*PREDICTED, "under_submitted", "warmup_state", "semantics")) == _pick(
+        live, (*PREDICTED, "under_submitted", "warmup_state", "semantics")
+    )
+    assert (state.verl_version.source, state.verl_version.semantics) == ("log", "verl-0.9.0")
+    [outcome] = state.checkpoint.outcomes
+    assert (outcome.semantics, outcome.submitted, outcome.over_filled) == ("verl-0.9.0", 12, 12)
+
+
+def test_the_version_comes_from_run_started_the_log_the_flag_and_the_installed_verl_in_that_order() -> None:
+    installed = VerlVersion("0.9.1", "installed", "verl-0.9.1", "the verl package next to tqmon")
+    flag = named("0.9.0", "flag", FLAG)
+    given = GivenConfig("colocate_async", TrainerConfig(**T12), "flags")
+    state = Reconciler(given, [installed])
+    state.apply(saved(), "checkpoint", 900.0)
+
+    def told() -> tuple[str | None, str | None, list[tuple[str, int | None]]]:
+        assert state.checkpoint is not None
+        outcomes = [(o.semantics, o.submitted) for o in state.checkpoint.outcomes]
+        return state.verl_version.source, state.verl_version.semantics, outcomes
+
+    assert told() == ("installed", "verl-0.9.1", [("verl-0.9.1", 0)])
+    assert flag is not None
+    state = Reconciler(given, [installed, flag])
+    state.apply(saved(), "checkpoint", 900.0)
+    assert told() == ("flag", "verl-0.9.0", [("verl-0.9.0", 12)])
+    # The log's own 0.9.1 line beats the flag; the plugin's run_started beats the log; one naming no release
+    # (verl's __version__ unreadable) decides nothing, and the log's word stands again.
+    state.apply(parse_event({"id": "r", **ev("checkpoint_restored", restored_prompt_groups=12)}), "log", 1000.0)
+    assert told() == ("log", "verl-0.9.1", [("verl-0.9.1", 0)])
+    assert state.verl_version.version == ">=0.9.1"
+    run = ev("run_started", run_id="r", trainer_mode="colocate_async", verl_version="0.9.0", config=T12)
+    state.apply(parse_event({"id": "run", **run}), "events", 1001.0)
+    assert told() == ("run_started", "verl-0.9.0", [("verl-0.9.0", 12)])
+    state.apply(parse_event({"id": "run2", **run | {"verl_version": ""}}), "events", 1002.0)
+    assert told() == ("log", "verl-0.9.1", [("verl-0.9.1", 0)])
+    # The plugin's own reports are not the log's lines: they tell nothing of the release.
+    state = Reconciler(given)
+    state.apply(parse_event({"id": "p", **ev("checkpoint_restored", restored_prompt_groups=12)}), "events", 1000.0)
+    assert state.verl_version == UNKNOWN
+
+
+@pytest.mark.parametrize(
+    ("mode", "config", "state", "submitted"),
+    [
+        ("sync", T12, WarmupState.SYNC_MODE, 0),  # 0.9.0's sync trainer has no async warmup either
+        ("colocate_async", T12 | {"skip_rollout_tq": True}, WarmupState.DISABLED, 0),  # it returns first
+        ("colocate_async", T12 | {"num_warmup_batches": 0}, WarmupState.LEGACY_UNCONDITIONAL, 0),  # range(0)
+        ("colocate_async", T12 | {"num_warmup_batches": 1.5}, WarmupState.UNKNOWN, None),  # range(1.5) raises
+    ],
+)
+def test_verl_0_9_0_warms_up_only_through_its_loop(
+    mode: str, config: dict[str, Any], state: WarmupState, submitted: int | None
+) -> None:
+    warmup = TrainerConfig(**config).warmup_config(mode)
+    record = predict_resume(saved(), reissued=3, cleared=5, config=warmup, semantics=LEGACY)
+    assert (record.semantics, record.warmup_state, record.submitted) == ("verl-0.9.0", state, submitted)
 
 
 def test_a_second_source_corroborates_rather_than_opening_a_new_start() -> None:

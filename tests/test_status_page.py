@@ -33,6 +33,7 @@ from tqmon.cost import ResumeCost
 from tqmon.exporters.html import render
 from tqmon.rules import RuleConfig, alerts
 from tqmon.snapshot import (
+    CheckpointView,
     Claim,
     Disagreement,
     Evidence,
@@ -42,8 +43,10 @@ from tqmon.snapshot import (
     SourceHealth,
     Tally,
     TQPollView,
+    WarmupOutcome,
     WindowView,
 )
+from tqmon.versions import VerlVersion
 from tqmon.warmup import WarmupState
 
 Factory = Callable[..., TqmonProcess]
@@ -614,3 +617,35 @@ def test_a_lost_window_whose_sources_disagree_is_flagged_with_each_source() -> N
     assert "tq said 3 (2025-12-01 00:46:20 UTC); allowed 8..12." in last
     true = {name for name, state in conditions(dom).items() if state == "true"}
     assert true == {"TQMonResumeLostWindow", "TQMonResumeSourcesDisagree"}
+
+
+def test_the_checkpoint_preflight_names_the_verl_version_and_shows_each_warmup_while_it_is_unknown() -> None:
+    """R = 12 of T = 12 with one failed group: 0.9.1 skips and is 1 short, 0.9.0 stacks 12 on top (over-filled)."""
+    composition = {"pending": 1, "running": 1, "finished": 9, "failure": 1}
+    outcomes = (
+        WarmupOutcome("verl-0.9.1", 12, 0, WarmupState.SKIPPED_FULL, 0, 0, 1, False),
+        WarmupOutcome("verl-0.9.0", 12, 12, WarmupState.LEGACY_UNCONDITIONAL, 0, 12, 0, False),
+    )
+    view = CheckpointView(45, "checkpoint", composition, {"failure": 1, "stale": 0, "filtered": 0}, 0, (), outcomes)
+    dom = parse(render(replace(snapshot(None), checkpoint=view), T1))
+    section = dom.find(id="checkpoint")
+    said = "verl version unknown: no source named a release, so both warmups are predicted"
+    assert section.find(data_k="verl-version").text() == said
+    assert "verl version unknown" in dom.find(id="header-meta").text()
+
+    def cells(semantics: str) -> list[str]:
+        row = section.find(data_semantics=semantics)
+        return [td.text() for td in row.children if isinstance(td, Node)]
+
+    assert cells("verl-0.9.1") == ["verl-0.9.1", "skipped_full", "0", "0", "0", "1"]
+    assert cells("verl-0.9.0") == ["verl-0.9.0", "legacy_unconditional", "12", "0", "12", "0"]
+
+    # A known version: its source is named and only its warmup is shown.
+    known = VerlVersion("0.9.0", "flag", "verl-0.9.0", "--verl-version (TQMON_VERL_VERSION)")
+    page = replace(snapshot(None), checkpoint=replace(view, outcomes=outcomes[1:]), verl_version=known)
+    section = parse(render(page, T1)).find(id="checkpoint")
+    assert section.find(data_k="verl-version").text() == "verl 0.9.0 (from flag: --verl-version (TQMON_VERL_VERSION))"
+    assert section.find_all(data_semantics="verl-0.9.1") == [] and cells("verl-0.9.0")[2] == "12"
+    # Without the trainer config the warmup is not predicted, and the page says why.
+    section = parse(render(replace(page, checkpoint=replace(view, outcomes=())), T1)).find(id="checkpoint")
+    assert "not predicted without the trainer config" in section.text()

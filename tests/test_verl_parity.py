@@ -193,13 +193,14 @@ class _NoWorkers:
         return None
 
 
-def make_trainer(config: Any) -> Any:
-    """verl's real trainer, with what ``init()`` would add on GPUs replaced by stand-ins."""
+def make_trainer(config: Any, trainer_class: type | None = None) -> Any:
+    """verl's real trainer (or ``trainer_class``, a subclass), with what ``init()`` would add on GPUs replaced
+    by stand-ins."""
     from torchdata.stateful_dataloader import StatefulDataLoader  # type: ignore[import-untyped]
     from verl.trainer.ppo.v1 import PPOTrainerColocateAsync
     from verl.utils.dataset.rl_dataset import collate_fn
 
-    trainer = PPOTrainerColocateAsync(config)
+    trainer = (trainer_class or PPOTrainerColocateAsync)(config)
     trainer.train_dataloader = StatefulDataLoader(_Prompts(), batch_size=1, collate_fn=collate_fn)
     trainer.train_dataloader_it = None
     trainer.actor_rollout_wg = _NoWorkers()
@@ -309,8 +310,9 @@ class Resumed:
     evicted: dict[str, int] = field(default_factory=dict)
 
 
-def resume(tq: Any, root: Path, case: Case) -> Resumed:
-    """What ``TaskRunnerV1.run`` and ``fit()`` do up to the first sample, with verl's own methods."""
+def resume(tq: Any, root: Path, case: Case, trainer_class: type | None = None) -> Resumed:
+    """What ``TaskRunnerV1.run`` and ``fit()`` do up to the first sample, with verl's own methods (those of
+    ``trainer_class``, a subclass, where it overrides them)."""
     import ray
     from verl.trainer.ppo.v1.trainer_base import _count_tq_prompt_groups
     from verl.utils.import_utils import load_class_from_fqn
@@ -318,7 +320,7 @@ def resume(tq: Any, root: Path, case: Case) -> Resumed:
 
     ray.get(_RecordingWorkers.recorder.dispatched.remote())  # forget the previous run's dispatches
     config = verl_config(root, case.overrides)
-    trainer = make_trainer(config)
+    trainer = make_trainer(config, trainer_class)
     trainer._load_checkpoint()
     # TaskRunnerV1.init_agent_loop_manager, verbatim
     manager_cls = load_class_from_fqn(
@@ -494,14 +496,16 @@ PREDICTED = {
 }
 
 
-def inspect_prediction(root: Path, case: Case) -> dict[str, Any]:
+def inspect_prediction(root: Path, case: Case, *args: str) -> dict[str, Any]:
     """``tqmon inspect --json`` on the case's checkpoint dir with verl's composed config saved as a file."""
     from omegaconf import OmegaConf
 
     config_file = root / "config.yaml"
     OmegaConf.save(verl_config(root, case.overrides), config_file)
     result = CliRunner().invoke(
-        main, ["inspect", str(root / "ckpt"), "--trainer-config", str(config_file), "--json"], catch_exceptions=False
+        main,
+        ["inspect", str(root / "ckpt"), "--trainer-config", str(config_file), "--json", *args],
+        catch_exceptions=False,
     )
     assert result.exit_code == 0, result.output
     predicted: dict[str, Any] = json.loads(result.stdout)
@@ -517,6 +521,74 @@ def warmup_state(case: Case, verl: Resumed) -> str:
         return "skipped_over_restored" if verl.restored > verl.target else "skipped_full"
     assert verl.warmup_submitted > 0
     return "topped_up" if case.step is not None else "fresh_start"
+
+
+# ---------------------------------------------------------------- a verl 0.9.0 resume
+
+# R = 9 of T = 2 x 4 = 8: verl 0.9.1 would skip its warmup; 0.9.0 submits 2 whole batches on top, 17 in all.
+LEGACY_CASE = Case(
+    "legacy_0_9_0",
+    10,
+    (("pending", 10, 1), ("running", 10, 2), ("finished", 10, 4), ("finished", 9, 1), ("failure", 9, 1)),
+    overrides=("trainer.v1.colocate_async.num_warmup_batches=2",),
+)
+
+
+def verl_0_9_0_trainer() -> type:
+    """verl's real trainer with verl 0.9.0's warmup, which ignored the restore: ``num_warmup_batches`` times
+    verl's own ``_add_batch_to_generate`` (one train batch each) in ``on_train_begin``, then its log line."""
+    from verl.trainer.ppo.v1 import PPOTrainerColocateAsync
+
+    logger = logging.getLogger("verl.trainer.ppo.v1.trainer_colocate_async")  # where 0.9.0 logged its line
+
+    class Verl090(PPOTrainerColocateAsync):  # type: ignore[misc]
+        def on_train_begin(self) -> None:
+            if self.config.skip.rollout_tq.enable:
+                return
+            batches = self.config.trainer.v1.colocate_async.num_warmup_batches
+            for _ in range(batches):
+                self._add_batch_to_generate()
+            logger.info(f"Added {batches} warmup batches to the agent loop manager")
+
+    return Verl090
+
+
+def test_inspect_predicted_a_verl_0_9_0_resume(
+    cluster: Any,
+    tmp_path: Path,
+    verl_log: Path,
+    tqmon_factory: Callable[..., TqmonProcess],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Told the version, ``tqmon inspect`` predicts 0.9.0's M and over-fill where it used to predict 0.9.1's skip;
+    the resume's own log line tells inspect and serve the release, and serve derives the predicted record."""
+    tq = cluster
+    tqmon = tqmon_factory(["--log", str(verl_log), "--log-interval", "0.1"]).start()
+    monkeypatch.setenv("TQMON_URL", tqmon.url)
+    clear_window(tq)
+    save_previous_run(tq, tmp_path, LEGACY_CASE)
+    predicted = inspect_prediction(tmp_path, LEGACY_CASE, "--verl-version", "0.9.0")
+    installed = inspect_prediction(tmp_path, LEGACY_CASE)  # the verl next to tqmon is 0.9.1: its skip
+    restart_transfer_queue(tq)
+    verl = resume(tq, tmp_path, LEGACY_CASE, verl_0_9_0_trainer())
+
+    # verl 0.9.0 submitted two whole batches on top of R = 9: the window holds 17 of T = 8.
+    assert (verl.restored, verl.warmup_submitted, verl.dispatched[:4]) == (9, 8, [3, B, B, B])  # K, 2 batches, step
+    assert (predicted["verl_version"]["source"], predicted["warmup_state"]) == ("flag", "legacy_unconditional")
+    assert (predicted["target"], predicted["warmup_submitted"]) == (8, verl.warmup_submitted)
+    assert predicted["over_filled"] == verl.restored + verl.warmup_submitted - predicted["target"] == 9
+    assert (installed["verl_version"]["source"], installed["warmup_submitted"]) == ("installed", 0)
+    assert installed["warmup_state"] == "skipped_over_restored"  # what the old preflight said of any version
+
+    # The resume's own line tells the release, over --verl-version.
+    from_log = inspect_prediction(tmp_path, LEGACY_CASE, "--log", str(verl_log), "--verl-version", "0.9.1")
+    assert (from_log["verl_version"]["semantics"], from_log["verl_version"]["source"]) == ("verl-0.9.0", "log")
+    assert {key: from_log[key] for key in PREDICTED} == {key: predicted[key] for key in PREDICTED}
+    # serve heard the same line and derived the record inspect predicted.
+    want = {("log", "warmup_decided"), ("events", "warmup_decided"), ("events", "checkpoint_restored")}
+    record = settled(tqmon, want)["records"][-1]
+    assert (record["semantics"], record["over_filled"]) == ("verl-0.9.0", predicted["over_filled"])
+    assert {key: predicted[key] for key in PREDICTED} == {key: record[value] for key, value in PREDICTED.items()}
 
 
 # ---------------------------------------------------------------- the window from the replay buffer's own sync

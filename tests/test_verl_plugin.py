@@ -19,7 +19,7 @@ from tqmon.integrations.poster import EventPoster
 from tqmon.integrations.resume import StartReporter
 from tqmon.store import StateStore
 from tqmon.tracker import Tracker
-from tqmon.warmup import TrainerConfig, WarmupState, is_legacy_version
+from tqmon.warmup import TrainerConfig, WarmupState, version_semantics
 
 CONFIG = {"train_batch_size": 4, "num_warmup_batches": 2}  # T = 8
 
@@ -229,11 +229,19 @@ def test_a_second_start_from_the_same_door_is_a_new_record() -> None:
 
 
 @pytest.mark.parametrize(
-    ("version", "legacy"),
-    [("0.9.0", True), ("0.9.0rc1", True), ("0.8.5", True), ("0.9.1", False), ("0.10.0", False), ("", False)],
+    ("version", "semantics"),
+    [
+        ("0.9.0", "verl-0.9.0"),
+        ("0.9.0rc1", "verl-0.9.0"),
+        ("0.8.5", "verl-0.9.0"),
+        ("0.9.1", "verl-0.9.1"),
+        ("0.10.0", "verl-0.9.1"),
+        ("", None),  # no release named: unknown, not assumed
+        ("main", None),
+    ],
 )
-def test_verl_versions_before_0_9_1_are_legacy(version: str, legacy: bool) -> None:
-    assert is_legacy_version(version) is legacy
+def test_verl_versions_before_0_9_1_are_legacy(version: str, semantics: str | None) -> None:
+    assert version_semantics(version) == semantics
 
 
 @pytest.mark.parametrize(("version", "semantics"), [("0.9.0", "verl-0.9.0"), ("0.9.1", "verl-0.9.1")])

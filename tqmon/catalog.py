@@ -11,7 +11,8 @@ from dataclasses import dataclass
 
 from tqmon.judge import QUANTITIES
 from tqmon.snapshot import PLUGIN_WINDOW_READERS, SourceName
-from tqmon.warmup import DOOM_REASONS, PARTITIONS, PROMPT_STATUSES, WarmupState
+from tqmon.versions import VERSION_SOURCES
+from tqmon.warmup import DOOM_REASONS, PARTITIONS, PROMPT_STATUSES, SEMANTICS, WarmupState
 
 
 class MetricType(enum.StrEnum):
@@ -91,6 +92,16 @@ REASON = Label(
     "reason", DOOM_REASONS, "Why the first sample after a resume evicts the group (failure > stale > filtered)."
 )
 SOURCE = Label("source", SOURCES, "The tqmon source that observed it.")
+SEMANTICS_LABEL = Label(
+    "semantics",
+    SEMANTICS,
+    "The warmup of a verl release: `verl-0.9.1` tops the restore up to T, `verl-0.9.0` submits num_warmup_batches"
+    " whole batches on top of it.",
+)
+_EACH_WARMUP = (
+    "under the warmup of the verl release tqmon knows (tqmon_verl_version_info), or one series per semantics"
+    " while it is unknown"
+)
 
 _BY_STATUS = "Labelled by status; the sum over status is the total."
 
@@ -281,6 +292,32 @@ CATALOG: tuple[MetricSpec, ...] = (
         "Trajectory keys without a prompt key in the latest checkpoint.",
         "trajectories",
     ),
+    MetricSpec(
+        "tqmon_checkpoint_warmup_submitted_prompt_groups",
+        MetricType.GAUGE,
+        f"Warmup prompts M a resume from the latest checkpoint would submit, {_EACH_WARMUP}; needs the trainer config.",
+        "prompt_groups",
+        (SEMANTICS_LABEL,),
+        stability=Stability.EXPERIMENTAL,
+    ),
+    MetricSpec(
+        "tqmon_checkpoint_over_filled_prompt_groups",
+        MetricType.GAUGE,
+        f"max(0, R + M - T) of a resume from the latest checkpoint, {_EACH_WARMUP}: the window above T after"
+        " the warmup, never trimmed.",
+        "prompt_groups",
+        (SEMANTICS_LABEL,),
+        stability=Stability.EXPERIMENTAL,
+    ),
+    MetricSpec(
+        "tqmon_checkpoint_under_submitted_prompt_groups",
+        MetricType.GAUGE,
+        f"max(0, T - (R - doomed + M)) of a resume from the latest checkpoint, {_EACH_WARMUP}; a lower bound while"
+        " a doom reason has no tqmon_checkpoint_doomed_prompt_groups series.",
+        "prompt_groups",
+        (SEMANTICS_LABEL,),
+        stability=Stability.EXPERIMENTAL,
+    ),
     # The live TransferQueue poller and its load on the controller.
     MetricSpec(
         "tqmon_tq_poll_interval_seconds",
@@ -337,6 +374,19 @@ CATALOG: tuple[MetricSpec, ...] = (
             Label("trainer_mode", TRAINER_MODES, "trainer.v1.trainer_mode."),
             Label("verl_version", None, "verl version reported or inferred, else empty."),
         ),
+    ),
+    MetricSpec(
+        "tqmon_verl_version_info",
+        MetricType.INFO,
+        "The verl release tqmon's predictions assume, and where it learnt it. Sources, most believed first: the"
+        " verl plugin's run_started, the trainer log's own lines, --verl-version, the verl installed next to tqmon.",
+        "",
+        (
+            Label("verl_version", None, "As the source gave it; from the log `<0.9.1` or `>=0.9.1`; empty: unknown."),
+            Label("semantics", (*SEMANTICS, "unknown"), "Its warmup; `unknown`: predictions give each warmup."),
+            Label("source", (*VERSION_SOURCES, "unknown"), "Where it came from; `unknown`: no source said."),
+        ),
+        stability=Stability.EXPERIMENTAL,
     ),
     MetricSpec(
         "tqmon_build_info",

@@ -300,6 +300,15 @@ def analyze(
         click.echo(f"{result.malformed} malformed verl line(s) skipped", err=True)
 
 
+def _release(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
+    """``--verl-version``: a verl release (``0.9.0``, ``0.9.1rc1``), or nothing."""
+    from tqmon.warmup import release
+
+    if value is not None and release(value) is None:
+        raise click.BadParameter(f"expected a verl release like 0.9.1, got {value!r}")
+    return value
+
+
 @main.command("inspect")
 @click.argument("checkpoint_dir", type=click.Path(exists=True, file_okay=False, path_type=Path))
 @option(
@@ -310,18 +319,44 @@ def analyze(
     env="INSPECT_STEP",
 )
 @option("--json", "as_json", is_flag=True, help="Print the preflight as JSON.", env="INSPECT_JSON")
+@option(
+    "--log",
+    "logs",
+    multiple=True,
+    type=click.Path(exists=True, dir_okay=False),
+    help="verl trainer log (repeatable): its own lines tell the verl version, e.g. 0.9.0's 'Added {n} warmup batches'.",
+    env="INSPECT_LOG",
+)
+@option(
+    "--verl-version",
+    default=None,
+    metavar="X.Y.Z",
+    callback=_release,
+    help="The verl release that will resume (e.g. 0.9.0): picks the warmup predicted. The --log lines win over "
+    "it; without either, the verl installed next to tqmon; with none, both warmups are predicted.",
+    env="VERL_VERSION",
+)
 @trainer_config_options
-def inspect_checkpoint(checkpoint_dir: Path, step: int | None, as_json: bool, trainer: TrainerFlags) -> None:
+def inspect_checkpoint(
+    checkpoint_dir: Path,
+    step: int | None,
+    as_json: bool,
+    logs: tuple[str, ...],
+    verl_version: str | None,
+    trainer: TrainerFlags,
+) -> None:
     """Preflight a resume: what restoring CHECKPOINT_DIR's TransferQueue state will do.
 
     CHECKPOINT_DIR is verl's trainer.default_local_dir (its latest checkpoint), a global_step_N dir or
     its transfer_queue dir (a run dir gets the checkpoint dirs below it suggested). Prints R by status and age,
     K, the doomed groups, the orphan trajectories and, with --trainer-config (or --train-batch-size and
-    --num-warmup-batches), T, M, O and the under-submission. Reads only.
+    --num-warmup-batches), T, M, O, the over-fill and the under-submission under the warmup of the verl version
+    (--log, --verl-version or the installed verl; both warmups while it is unknown). Reads only.
     """
     from tqmon.checkpoint.layout import NoCheckpointYet, latest_step, read_checkpoint, resolve
-    from tqmon.checkpoint.preflight import preflight, render
+    from tqmon.checkpoint.preflight import inspected_version, preflight, render
     from tqmon.checkpoint.unpickler import CheckpointError
+    from tqmon.postmortem import NotATrainerLog
 
     root, resolved = resolve(checkpoint_dir)
     given = trainer.resolve()
@@ -343,8 +378,12 @@ def inspect_checkpoint(checkpoint_dir: Path, step: int | None, as_json: bool, tr
     if chosen_by is not None:
         with contextlib.suppress(CheckpointError):  # no or a broken latest file: verl would not pick a step
             latest = latest_step(root)
+    try:
+        version = inspected_version(logs, verl_version)
+    except NotATrainerLog as err:
+        raise click.ClickException(str(err)) from None
     warmup = None if given is None else given.warmup
-    result = preflight(reading, warmup, chosen_by=chosen_by, latest=latest)
+    result = preflight(reading, warmup, version, chosen_by=chosen_by, latest=latest)
     click.echo(json.dumps(result.to_json(), indent=2) if as_json else render(result))
 
 

@@ -27,9 +27,14 @@ from tqmon.judge import (
     window_bounds,
 )
 from tqmon.snapshot import Claim, Evidence, ResumeRecord, SourceName
+from tqmon.versions import VerlVersion
 from tqmon.warmup import (
+    CURRENT,
     DOOM_REASONS,
+    LEGACY,
     PROMPT_STATUSES,
+    LegacyWarmupFails,
+    Semantics,
     WarmupConfig,
     WarmupDecision,
     WarmupState,
@@ -38,9 +43,9 @@ from tqmon.warmup import (
     eviction_rules,
     is_legacy_growth,
     is_legacy_unconditional,
-    is_legacy_version,
     known_doomed,
     legacy_submitted,
+    legacy_warmup_batches,
     restores_tq,
     skip_reason,
     under_submitted,
@@ -131,13 +136,14 @@ def derive_record(
     obs: Observed,
     config: WarmupConfig | None,
     previous_restored: int | None,
-    verl_version: str = "",
+    semantics: Semantics | None = None,
     loaded: SavedCheckpoint | None = None,
     previous: SavedCheckpoint | None = None,
 ) -> ResumeRecord:
-    """Compute T, M expected, O, doomed, the deficit and the warmup state from what was observed.
+    """Compute T, M expected, O, the over-fill, doomed, the deficit and the warmup state from what was observed.
 
-    ``verl_version`` (from ``run_started``) names the semantics when no log line or count betrays them.
+    ``semantics`` is the warmup of the verl version tqmon knows (:mod:`tqmon.versions`); what this start's own
+    log line or counts betray wins over it, and without either it is 0.9.1's.
     ``loaded`` is the composition of the checkpoint this start loaded, ``previous`` the newest one before it
     that held TQ state: the sources :mod:`tqmon.judge` checks the others against.
     """
@@ -162,18 +168,18 @@ def derive_record(
     submitted = obs.submitted
     if submitted is None and predicted is not None and not predicted.logged and not obs.legacy_batches:
         submitted = predicted.submitted  # verl logs nothing when the warmup is off: the config is the evidence
-    semantics = "verl-0.9.0" if is_legacy_version(verl_version) else "verl-0.9.1"
+    semantics = semantics or CURRENT
     if obs.legacy_batches is not None:
-        semantics = "verl-0.9.0"
+        semantics = LEGACY
         submitted = legacy_submitted(config, obs.legacy_batches) if config else None
 
     state = warmup_state(obs, restored, target, submitted, predicted.state if predicted else None, previous_restored)
     if state is WarmupState.LEGACY_UNCONDITIONAL:
-        semantics = "verl-0.9.0"
+        semantics = LEGACY
     keeps_window = restores_tq(config) and (config is None or not config.skip_rollout_tq)
     window_lost = is_lost_window(
         keeps_window=obs.resumed and keeps_window,
-        legacy=semantics == "verl-0.9.0",
+        legacy=semantics == LEGACY,
         restore_reported=obs.restored_at is not None,
         decided=obs.submitted is not None or obs.skip_reason is not None,
         restored=obs.restored,
@@ -184,11 +190,12 @@ def derive_record(
 
     rules, assumed = eviction_rules(config, obs.groups is not None and obs.checkpoint_step is not None)
     doomed = _doomed(obs, rules, restored)
-    under = None
+    under = over_filled = None
     if target is not None and restored is not None and submitted is not None:
         # Unknown doom reasons count as 0, which makes the deficit a lower bound (and says so).
         lost = sum((doomed or {}).values())
         under = under_submitted(target, restored, min(lost, restored), submitted)
+        over_filled = max(0, restored + submitted - target)
     reissued, cleared = obs.reissued, obs.cleared
     if reissued is None and (not obs.resumed or obs.decided or obs.sealed):
         # verl re-issues before the warmup and logs nothing when there was nothing in flight.
@@ -224,6 +231,7 @@ def derive_record(
         expected=expected,
         submitted=submitted,
         over_restored=max(0, restored - target) if restored is not None and target is not None else None,
+        over_filled=over_filled,
         doomed=doomed,
         under_submitted=under,
         under_submitted_lower_bound=under is not None and not doomed_complete(doomed),
@@ -281,7 +289,7 @@ def _judge(
     loaded: SavedCheckpoint | None,
     restored: int | None,
     submitted: int | None,
-    semantics: str,
+    semantics: Semantics,
     doomed_of: tuple[Mapping[str, int] | None, Mapping[str, int] | None],
     predictions: dict[str, list[Claim]],
 ) -> Judgement:
@@ -290,7 +298,7 @@ def _judge(
     what the config predicts of the reported quantities."""
     doomed, loaded_doomed = doomed_of
     claims = {quantity: list(said) for quantity, said in obs.claims.items()}
-    if semantics != "verl-0.9.0":  # 0.9.0 warms up whole batches whatever the config says of M
+    if semantics != LEGACY:  # 0.9.0 warms up whole batches whatever the config says of M
         for quantity, said in predictions.items():
             claims.setdefault(quantity, []).extend(said)
     if loaded is not None and obs.resumed and restores_tq(config):
@@ -450,12 +458,20 @@ def checkpoint_doomed(event: CheckpointSaved, config: WarmupConfig | None) -> di
     return known_doomed(rules, statuses, groups, event.step, filter_verdicts=event.filter_metric is not None)
 
 
-def predict_resume(saved: CheckpointSaved, reissued: int, cleared: int, config: WarmupConfig | None) -> ResumeRecord:
+def predict_resume(
+    saved: CheckpointSaved,
+    reissued: int,
+    cleared: int | None,
+    config: WarmupConfig | None,
+    semantics: Semantics = CURRENT,
+) -> ResumeRecord:
     """The record a resume from ``saved`` gets once verl has reported it, before it happens.
 
-    The checkpoint gives R's composition and K; the config gives the warmup decision, which verl logs (or
-    not) exactly as :func:`tqmon.warmup.decide_warmup` says. :func:`derive_record` does the rest, as for a
-    live resume.
+    The checkpoint gives R's composition and K (``cleared``: the trajectories the re-issue clears, None where
+    unknown); the config and ``semantics``, the warmup of the verl release that resumes, give the warmup
+    decision and what verl logs of it: 0.9.1 decides as :func:`tqmon.warmup.decide_warmup` says, 0.9.0 loops
+    :func:`tqmon.warmup.legacy_warmup_batches` (nothing is decided where that loop fails) and never logs its
+    restore. :func:`derive_record` does the rest, as for a live resume.
     """
     at = saved.timestamp(0.0)
     loaded = (saved, SourceName.CHECKPOINT.value, at)
@@ -463,12 +479,32 @@ def predict_resume(saved: CheckpointSaved, reissued: int, cleared: int, config: 
     obs = with_checkpoint(obs, loaded, config)
     if obs.restored is not None:
         obs.reissued, obs.cleared = reissued, cleared
-    if has_tq_dir(saved.path) is not False and restores_tq(config):
-        obs.restored_at = at  # verl reports every restore it loads, an empty one too; without the dir, none
+    if has_tq_dir(saved.path) is not False and restores_tq(config) and semantics == CURRENT:
+        obs.restored_at = at  # verl 0.9.1 reports every restore it loads, an empty one too; without the dir, none
     if config is not None:
-        decision = decide_warmup(config, obs.restored or 0, resumed=True)
-        if decision.logged:
-            obs.target, obs.submitted = decision.target, decision.submitted
-        else:
-            obs.skip_reason = skip_reason(config)
-    return derive_record(obs, config, None, loaded=loaded)
+        _report_decision(obs, config, semantics)
+    return derive_record(obs, config, None, semantics, loaded=loaded)
+
+
+def _report_decision(obs: Observed, config: WarmupConfig, semantics: Semantics) -> None:
+    """What verl will report of its warmup decision: 0.9.0 its whole batches (neither T nor R), or nothing where
+    its loop fails; 0.9.1 its logged decision, or nothing where it returns silently (the config says why)."""
+    if semantics == LEGACY:
+        try:
+            obs.legacy_batches = legacy_warmup_batches(config)
+        except LegacyWarmupFails:
+            return  # the trainer stops before deciding
+        if obs.legacy_batches is not None:
+            return
+    decision = decide_warmup(config, obs.restored or 0, resumed=True)
+    if decision.logged:
+        obs.target, obs.submitted = decision.target, decision.submitted
+    else:
+        obs.skip_reason = skip_reason(config)
+
+
+def predict_resumes(
+    saved: CheckpointSaved, reissued: int, cleared: int | None, config: WarmupConfig | None, version: VerlVersion
+) -> tuple[ResumeRecord, ...]:
+    """:func:`predict_resume` under the warmup of ``version``, or under each warmup while it is unknown."""
+    return tuple(predict_resume(saved, reissued, cleared, config, semantics) for semantics in version.predicted)

@@ -15,7 +15,14 @@ from statistics import fmean
 from typing import Any
 
 from tqmon.composition import from_group_counts, window_view
-from tqmon.derivation import Observed, SavedCheckpoint, checkpoint_doomed, derive_record, with_checkpoint
+from tqmon.derivation import (
+    Observed,
+    SavedCheckpoint,
+    checkpoint_doomed,
+    derive_record,
+    predict_resumes,
+    with_checkpoint,
+)
 from tqmon.events import (
     CheckpointRestored,
     CheckpointSaved,
@@ -39,9 +46,20 @@ from tqmon.snapshot import (
     ResumeRecord,
     RunInfo,
     SourceName,
+    WarmupOutcome,
     WindowView,
 )
-from tqmon.warmup import DOOM_REASONS, TRAIN, GivenConfig, TrainerConfig, WarmupConfig, eviction_rules, window_target
+from tqmon.versions import VerlVersion, VersionSource, betrayed_by, choose, named
+from tqmon.warmup import (
+    DOOM_REASONS,
+    INFLIGHT_STATUSES,
+    TRAIN,
+    GivenConfig,
+    TrainerConfig,
+    WarmupConfig,
+    eviction_rules,
+    window_target,
+)
 
 STEP_RATE_WINDOW = 10  # steps averaged for the step duration
 KEPT_COMPOSITIONS = 16  # checkpoint compositions kept for matching resumes to what they loaded
@@ -65,7 +83,9 @@ class Reconciler:
     serialises the calls.
     """
 
-    def __init__(self, given: GivenConfig | None = None) -> None:
+    def __init__(self, given: GivenConfig | None = None, versions: Iterable[VerlVersion] = ()) -> None:
+        """``versions``: what tqmon was told of the verl release before any event (``--verl-version``, the verl
+        installed next to it); the plugin's ``run_started`` and the log's own lines come as events."""
         self.run: RunInfo | None = None
         self.warmup_config: WarmupConfig | None = None
         self.records: list[ResumeRecord] = []
@@ -89,6 +109,8 @@ class Reconciler:
         self._step_saved: int | None = None
         self._last_activity: float | None = None
         self._event_time: float | None = None  # trainer_time of the event being applied
+        self._versions: dict[VersionSource, VerlVersion] = {v.source: v for v in versions if v.source is not None}
+        self.verl_version = choose(self._versions.values())  # what the predictions and records assume
         if given is not None:  # run_started overrides it
             run = RunInfo(given.run_id, given.trainer_mode, "", given.config.model_dump(), given.origin)
             self._set_run(run, given.config)
@@ -141,12 +163,15 @@ class Reconciler:
         self.trainer_last_event = seen if self.trainer_last_event is None else max(self.trainer_last_event, seen)
         self._event_time = trainer_time(event, source, received_at)
         evidence_of: Observed | None = None  # the start this event is evidence of
+        if source == SourceName.LOG and (told := betrayed_by(event)) is not None:
+            self._hear_version("log", told)
         match event:
             case RunStarted():
                 run = RunInfo(
                     event.run_id, event.trainer_mode, event.verl_version, event.config.model_dump(), SourceName.EVENTS
                 )
                 self._set_run(run, event.config)
+                self._hear_version("run_started", named(event.verl_version, "run_started", "the verl plugin"))
                 self._derive_checkpoint()  # its doomed groups depend on the config
                 if self._observed is not None and not self._observed.sealed:
                     self._observed.run_id = event.run_id
@@ -338,22 +363,42 @@ class Reconciler:
             event, source = self._checkpoint_saved
         else:
             return
+        statuses = event.status_counts()
+        outcomes: tuple[WarmupOutcome, ...] = ()
+        if statuses and self.warmup_config is not None:
+            reissued = sum(n for status, n in statuses.items() if status in INFLIGHT_STATUSES)
+            predicted = predict_resumes(event, reissued, None, self.warmup_config, self.verl_version)
+            outcomes = tuple(WarmupOutcome.of(record) for record in predicted)
         self.checkpoint = CheckpointView(
             event.step,
             source,
-            event.status_counts(),
+            statuses,
             checkpoint_doomed(event, self.warmup_config),
             event.orphan_trajectories,
-            eviction_rules(self.warmup_config, event.groups is not None)[1] if event.status_counts() else (),
+            eviction_rules(self.warmup_config, event.groups is not None)[1] if statuses else (),
+            outcomes,
         )
+
+    def _hear_version(self, source: VersionSource, version: VerlVersion | None) -> None:
+        """A source's word on the verl release (None: it names none); the most believed one decides, and the
+        checkpoint's prediction and the open start follow a change."""
+        if version is None:
+            self._versions.pop(source, None)
+        else:
+            self._versions[source] = version
+        chosen = choose(self._versions.values())
+        if chosen != self.verl_version:
+            self.verl_version = chosen
+            self._derive_checkpoint()
+            self._rederive()
 
     def _derive(self, obs: Observed) -> ResumeRecord:
         previous = self.records[obs.index - 1].restored if obs.index > 0 else None
         saved = self._compositions.get(obs.checkpoint_step) if obs.checkpoint_step is not None else None
         completed = with_checkpoint(obs, saved, self.warmup_config)
-        version = self.run.verl_version if self.run else ""
         before = self._before(obs.checkpoint_step)
-        record = derive_record(completed, self.warmup_config, previous, version, saved, before)
+        semantics = self.verl_version.semantics
+        record = derive_record(completed, self.warmup_config, previous, semantics, saved, before)
         if obs.index < len(self.records):  # once compared, a quantity keeps its verdict: its series falls back to 0
             record = replace(record, compared=in_order([*self.records[obs.index].compared, *record.compared]))
         return record

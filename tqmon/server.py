@@ -41,6 +41,7 @@ from tqmon.snapshot import (
     WindowView,
 )
 from tqmon.store import StateUnavailable
+from tqmon.versions import VerlVersion
 
 EVENTS_ADAPTER: TypeAdapter[list[Event]] = TypeAdapter(list[Event])
 Batch = Annotated[list[Event], Field(min_length=1)]  # an empty batch carries no event: 422
@@ -134,6 +135,7 @@ class Status(BaseModel):
 
     version: str
     run: RunInfo | None
+    verl_version: VerlVersion  # the release predictions assume, and its source (source null: unknown)
     target_window: int | None
     window_status: str
     windows: list[WindowView]
@@ -155,6 +157,7 @@ class Status(BaseModel):
         return cls(
             version=snapshot.version,
             run=snapshot.run,
+            verl_version=snapshot.verl_version,
             target_window=snapshot.target_window,
             window_status=snapshot.window_status(now),
             windows=list(snapshot.fresh_windows(now)),

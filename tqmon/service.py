@@ -25,6 +25,7 @@ from tqmon.sources.tq import PollBudget, PollerProcess, PollSettings, TQSource
 from tqmon.statelock import StateError
 from tqmon.store import StateStore
 from tqmon.tracker import Tracker
+from tqmon.versions import FLAG, VerlVersion, installed, named
 from tqmon.warmup import GivenConfig
 
 if TYPE_CHECKING:
@@ -112,6 +113,13 @@ class ServiceConfig:
     )
     tq: PollSettings = field(default_factory=PollSettings)  # the --tq-* flags
     trainer: GivenConfig | None = None  # the trainer flags or --trainer-config; run_started overrides it
+    verl_version: str | None = _setting(
+        None,
+        "The verl release the trainer runs (e.g. 0.9.0): picks the warmup the checkpoint preflight predicts. "
+        "The plugin's run_started and the log's own lines win over it; without any of them, the verl installed "
+        "next to tqmon; with none, both warmups are predicted.",
+        metavar="X.Y.Z",
+    )
     process_metrics: bool = True
     otlp_endpoint: str | None = _setting(
         None,
@@ -147,6 +155,11 @@ class ServiceConfig:
         return host.strip("[]"), int(port)
 
     @property
+    def told_version(self) -> VerlVersion | None:
+        """``--verl-version`` as a version source (validated)."""
+        return None if self.verl_version is None else named(self.verl_version, "flag", FLAG)
+
+    @property
     def log_patterns(self) -> list[str]:
         return [pattern for item in self.log for pattern in item.split()]
 
@@ -177,6 +190,8 @@ class ServiceConfig:
                 require_extra("tq", "--ray-address")
             except MissingExtra as err:
                 raise ConfigError(err.message) from None
+        if self.verl_version is not None and self.told_version is None:
+            raise ConfigError(f"--verl-version: expected a verl release like 0.9.1, got {self.verl_version!r}")
         try:
             self.tq.validate()
             self.retain.validate()
@@ -259,7 +274,13 @@ class Service:
         except StateDirTaken as err:
             self.store.close()
             raise ConfigError(str(err)) from None
-        self.tracker = Tracker(self.store, stale_after=config.stale_after, given=config.trainer, announce=announce)
+        self.tracker = Tracker(
+            self.store,
+            stale_after=config.stale_after,
+            given=config.trainer,
+            versions=[told for told in (config.told_version, installed()) if told is not None],
+            announce=announce,
+        )
         replayed = self.tracker.replay()
         if replayed:
             log.info("restored %d events from %s", replayed, self.store.path)

@@ -9,6 +9,7 @@ from typing import Any, Literal, get_args
 
 from tqmon.cost import ResumeCost
 from tqmon.events import PluginWindow
+from tqmon.versions import UNKNOWN, VerlVersion
 from tqmon.warmup import TRAIN, WarmupState
 
 
@@ -93,9 +94,11 @@ class ResumeRecord:
     reissued: int | None = None  # K
     cleared_trajectories: int | None = None
     target: int | None = None  # T
-    expected: int | None = None  # max(0, T - R) under verl 0.9.1 semantics
+    expected: int | None = None  # max(0, T - R): what verl 0.9.1 submits, whatever the semantics
     submitted: int | None = None  # M actually submitted
     over_restored: int | None = None  # O
+    # max(0, R + M - T): the window above T after warmup, all run (O under 0.9.1; 0.9.0 stacks M on the restore)
+    over_filled: int | None = None
     doomed: Mapping[str, int] | None = None  # only the reasons that are known
     under_submitted: int | None = None
     warmup_state: WarmupState = WarmupState.UNKNOWN
@@ -190,6 +193,33 @@ class PluginView:
 
 
 @dataclass(frozen=True, slots=True)
+class WarmupOutcome:
+    """What the warmup of a resume would do under one verl release's semantics: a predicted record's numbers."""
+
+    semantics: str
+    target: int | None  # T
+    submitted: int | None  # M
+    warmup_state: WarmupState
+    over_restored: int | None  # O
+    over_filled: int | None
+    under_submitted: int | None
+    under_submitted_lower_bound: bool
+
+    @classmethod
+    def of(cls, record: ResumeRecord) -> WarmupOutcome:
+        return cls(
+            record.semantics,
+            record.target,
+            record.submitted,
+            record.warmup_state,
+            record.over_restored,
+            record.over_filled,
+            record.under_submitted,
+            record.under_submitted_lower_bound,
+        )
+
+
+@dataclass(frozen=True, slots=True)
 class CheckpointView:
     """The newest checkpoint seen, and what a resume from it would restore."""
 
@@ -199,6 +229,8 @@ class CheckpointView:
     doomed: Mapping[str, int] | None = None
     orphan_trajectories: int | None = None
     assumed_defaults: tuple[str, ...] = ()  # verl defaults the doomed groups assumed (no trainer config)
+    # The warmup of a resume from it under the known verl version, or under each while it is unknown.
+    outcomes: tuple[WarmupOutcome, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -240,6 +272,7 @@ class Snapshot:
     otlp: OTLPView | None = None  # set by the OTLP exporter on the snapshot it and /metrics render
     state: StateHealth = StateHealth()  # the state dir; failures are the store's, counted in memory
     plugin: PluginView | None = None  # the verl plugin's last reported state
+    verl_version: VerlVersion = UNKNOWN  # the release predictions assume, and its source
 
     def fresh_until(self, window: WindowView) -> float:
         """When a window stops being served: frozen data is never served as fresh."""

@@ -19,6 +19,7 @@ from tqmon.events import CheckpointSaved, Event, WindowObserved
 from tqmon.reconcile import Reconciler
 from tqmon.snapshot import Evidence, Snapshot, SourceHealth, SourceName, Tally, TQPollView, WindowView
 from tqmon.store import PRUNED_RESUMES, StateStore
+from tqmon.versions import VerlVersion
 from tqmon.warmup import GivenConfig
 
 EPOCH_CURSOR = "tq:controller"
@@ -54,16 +55,18 @@ class Tracker:
         *,
         stale_after: float = 300.0,
         given: GivenConfig | None = None,
+        versions: Iterable[VerlVersion] = (),
         clock: Callable[[], float] = time.time,
         announce: Callable[[str], None] | None = None,
     ) -> None:
-        """``announce`` receives one line per change of a source's state (``tqmon serve`` prints it on stderr)."""
+        """``announce`` receives one line per change of a source's state (``tqmon serve`` prints it on stderr);
+        ``versions``, the verl release as tqmon was told it (``--verl-version``, the verl installed next to it)."""
         self._store = store
         self._announce = announce
         self._stale_after = stale_after
         self._clock = clock
         self._lock = threading.RLock()
-        self._state = Reconciler(given)
+        self._state = Reconciler(given, versions)
         self._health: dict[str, _Health] = {}
         self._tq: TQPollView | None = None
         self._counters: dict[Tally, Counter[tuple[str, ...]]] = {tally: Counter() for tally in Tally}
@@ -340,6 +343,7 @@ class Tracker:
             records=tuple(state.records),
             state=self._store.health(),
             plugin=state.plugin,
+            verl_version=state.verl_version,
         )
 
 

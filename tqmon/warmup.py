@@ -1,7 +1,8 @@
 """verl 0.9.1's trainer settings and its async warmup and first-sample eviction arithmetic, as pure functions.
 
 Everything here mirrors ``PPOTrainer._add_async_warmup_batches`` and ``ReplayBufferAsync`` of
-verl 0.9.1 line for line, so tqmon's expected numbers are verl's numbers. No I/O, no clock.
+verl 0.9.1 line for line, so tqmon's expected numbers are verl's numbers; verl 0.9.0's unconditional warmup is
+modelled beside it (``legacy_*``). No I/O, no clock.
 """
 
 from __future__ import annotations
@@ -30,6 +31,12 @@ PARTITIONS: tuple[Partition, ...] = get_args(Partition)
 TRAIN: Partition = "train"  # the partition of the prefetch window; the only one the warmup fills
 TQ_DIR = "transfer_queue"  # the folder of a checkpoint that holds TransferQueue's state
 SkipReason = Literal["window_full", "sync_mode", "skip_rollout_tq", "non_positive_warmup"]
+# The warmup a verl release runs at a resume: 0.9.1's top-up of max(0, T - R), or 0.9.0's num_warmup_batches whole
+# batches on top of the restore. Newest first: the order a prediction shows both in when the version is unknown.
+Semantics = Literal["verl-0.9.1", "verl-0.9.0"]
+SEMANTICS: tuple[Semantics, ...] = get_args(Semantics)
+CURRENT: Semantics = "verl-0.9.1"
+LEGACY: Semantics = "verl-0.9.0"
 
 
 def _not_bool(value: object) -> object:
@@ -277,15 +284,45 @@ def legacy_submitted(config: WarmupConfig, warmup_batches: int) -> int:
     return warmup_batches * config.train_batch_size
 
 
+class LegacyWarmupFails(ValueError):
+    """verl 0.9.0's warmup cannot run with this config: the trainer stops there (the message says why)."""
+
+
+def legacy_warmup_batches(config: WarmupConfig) -> int | None:
+    """n of verl 0.9.0's ``on_train_begin``: ``for _ in range(num_warmup_batches)`` submits one train batch each,
+    whatever was restored. None where it runs no such loop and decides as 0.9.1 does (sync mode, whose trainer
+    has no async warmup, and ``skip.rollout_tq``, which returns first); ``range`` of 0 or less submits nothing.
+
+    Raises :class:`LegacyWarmupFails` for a fractional ``num_warmup_batches``: ``range`` refuses a float."""
+    if config.trainer_mode == "sync" or config.skip_rollout_tq:
+        return None
+    batches = config.num_warmup_batches
+    if not batches.is_integer():
+        raise LegacyWarmupFails(
+            f"verl 0.9.0 loops range(num_warmup_batches): {batches:g} is not a whole number, so its warmup raises "
+            "TypeError and the trainer stops"
+        )
+    return max(0, int(batches))
+
+
 def is_legacy_unconditional(restored: int, target: int, submitted: int) -> bool:
     """A top-up that ignored a non-empty restore: the verl 0.9.0 signature (the window grows by T)."""
     return restored > 0 and target > 0 and submitted == target and submitted > max(0, target - restored)
 
 
-def is_legacy_version(verl_version: str) -> bool:
-    """A verl release before 0.9.1, whose warmup ignored the restore ("" or unparsable: not known to be)."""
-    match = re.match(r"(\d+)\.(\d+)\.(\d+)", verl_version)
-    return match is not None and tuple(map(int, match.groups())) < (0, 9, 1)
+def release(verl_version: str) -> tuple[int, int, int] | None:
+    """(major, minor, patch) of a verl version string ("0.9.1", "0.9.0rc1"); None when it names no release."""
+    match = re.match(r"\s*v?(\d+)\.(\d+)\.(\d+)", verl_version)
+    return None if match is None else (int(match[1]), int(match[2]), int(match[3]))
+
+
+def version_semantics(verl_version: str) -> Semantics | None:
+    """The warmup a verl release runs: a release before 0.9.1 ignored the restore; None when the string names
+    no release ("" included), so the semantics stay unknown rather than assumed."""
+    parsed = release(verl_version)
+    if parsed is None:
+        return None
+    return LEGACY if parsed < (0, 9, 1) else CURRENT
 
 
 def is_legacy_growth(previous_restored: int, restored: int, target: int) -> bool:

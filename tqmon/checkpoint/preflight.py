@@ -2,30 +2,45 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
-from typing import Any
+from typing import Any, TypeVar
 
 from tqmon.checkpoint.layout import LATEST_FILE, STEP_DIR, CheckpointReading
 from tqmon.checkpoint.storage import FilterVerdicts
-from tqmon.derivation import predict_resume
+from tqmon.derivation import predict_resumes
 from tqmon.report import deficit
 from tqmon.snapshot import ResumeRecord
-from tqmon.warmup import DOOM_REASONS, TQ_DIR, WarmupConfig, WarmupState, doomed_complete, is_stale
+from tqmon.versions import FLAG, VerlVersion, betrayed_by, choose, installed, named
+from tqmon.warmup import (
+    DOOM_REASONS,
+    LEGACY,
+    TQ_DIR,
+    LegacyWarmupFails,
+    WarmupConfig,
+    WarmupState,
+    doomed_complete,
+    is_stale,
+    legacy_warmup_batches,
+)
+
+V = TypeVar("V")
 
 
 @dataclass(frozen=True, slots=True)
 class Preflight:
-    """What a resume from one checkpoint will do, as far as the checkpoint and the config tell.
+    """What a resume from one checkpoint will do, as far as the checkpoint, the config and the verl version tell.
 
-    ``record`` is what the tracker will derive once verl reports the resume; without a config only R, K
-    and the doomed groups are known.
+    ``records`` are what the tracker will derive once verl reports the resume: one under the warmup of the known
+    ``version``, one per warmup (newest first) while it is unknown. R, K and the doomed groups are the same in
+    each; without a config only they are known.
     """
 
     reading: CheckpointReading
     config: WarmupConfig | None
-    record: ResumeRecord
+    records: tuple[ResumeRecord, ...]
+    version: VerlVersion
     chosen_by: str | None = None  # how the user picked the step ("--step 6"); None: verl's latest
     latest: int | None = None  # the step latest_checkpointed_iteration.txt names, when the user chose another way
 
@@ -42,6 +57,11 @@ class Preflight:
         else:
             latest = f"{LATEST_FILE} says {self.latest}: verl would resume from step {self.latest}"
         return f"step {step} (chosen with {self.chosen_by}; {latest})"
+
+    @property
+    def record(self) -> ResumeRecord:
+        """The prediction R, K and the doomed groups are read from (every one agrees on them)."""
+        return self.records[0]
 
     @property
     def restored(self) -> int:
@@ -61,31 +81,20 @@ class Preflight:
         return self.record.cleared_trajectories or 0
 
     @property
-    def target(self) -> int | None:
-        return None if self.config is None else self.record.target
-
-    @property
-    def submitted(self) -> int | None:
-        return None if self.config is None else self.record.submitted
-
-    @property
-    def over_restored(self) -> int | None:
-        return None if self.config is None else self.record.over_restored
+    def predicted(self) -> tuple[ResumeRecord, ...]:
+        """The records whose warmup is predicted: none without the config."""
+        return () if self.config is None else self.records
 
     @property
     def warmup_state(self) -> WarmupState | None:
-        return None if self.config is None else self.record.warmup_state
+        """The warmup state every prediction agrees on, else None."""
+        return _agreed([record.warmup_state for record in self.predicted])
 
-    @property
-    def under_submitted(self) -> int | None:
-        return None if self.config is None else self.record.under_submitted
-
-    @property
-    def useful(self) -> int | None:
-        """R - doomed + M: the useful window right after the warmup."""
-        if self.submitted is None:
+    def useful(self, record: ResumeRecord) -> int | None:
+        """R - doomed + M: the useful window right after the warmup ``record`` predicts."""
+        if record.submitted is None:
             return None
-        return self.restored - sum(self.doomed.values()) + self.submitted
+        return self.restored - sum(self.doomed.values()) + record.submitted
 
     @property
     def sample_step(self) -> int:
@@ -107,7 +116,23 @@ class Preflight:
             )
         if self.warmup_state is WarmupState.SYNC_MODE:
             return ("sync mode: verl neither restores nor re-issues TransferQueue state; nothing of it comes back",)
-        return self.dapo_notes
+        return (*self.version_notes, *self.dapo_notes)
+
+    @property
+    def version_notes(self) -> tuple[str, ...]:
+        """What the verl version changes here: unknown, both warmups are predicted; 0.9.0's warmup may fail."""
+        notes = []
+        if self.version.semantics is None:
+            notes.append(
+                "the verl version is unknown, so both warmups are predicted: give the trainer's --log or "
+                "--verl-version, or run tqmon next to the trainer's verl"
+            )
+        if self.config is not None and any(r.semantics == LEGACY and r.submitted is None for r in self.predicted):
+            try:
+                legacy_warmup_batches(self.config)
+            except LegacyWarmupFails as err:  # why 0.9.0 decides nothing: its trainer stops at the warmup
+                notes.append(str(err))
+        return tuple(notes)
 
     def zero_variance(self, verdicts: FilterVerdicts) -> tuple[int, int]:
         """DAPO's zero-variance finished groups, and how many of them are also stale at the first sample:
@@ -161,8 +186,25 @@ class Preflight:
             "storage_bytes": verdicts.storage_bytes,
         }
 
+    def prediction_json(self, record: ResumeRecord) -> dict[str, Any]:
+        """One warmup's prediction, keyed as ``tqmon inspect --json`` always named them."""
+        return {
+            "semantics": record.semantics,
+            "target": record.target,
+            "warmup_submitted": record.submitted,
+            "warmup_state": record.warmup_state.value,
+            "over_restored": record.over_restored,
+            "over_filled": record.over_filled,
+            "useful_after_warmup": self.useful(record),
+            "under_submitted": record.under_submitted,
+            "under_submitted_is_lower_bound": record.under_submitted is not None and record.under_submitted_lower_bound,
+        }
+
     def to_json(self) -> dict[str, Any]:
         c = self.reading.composition
+        predictions = [self.prediction_json(record) for record in self.predicted]
+        # The prediction's keys at the top level: the known version's, or where every warmup agrees (else null).
+        agreed = {key: _agreed([p[key] for p in predictions]) for key in PREDICTION_KEYS}
         return {
             "checkpoint_dir": str(self.reading.root),
             "step": self.reading.step,
@@ -181,14 +223,15 @@ class Preflight:
             "doomed": dict(self.doomed),
             "doomed_complete": self.doomed_complete,
             "config": None if self.config is None else self.config.model_dump(),
-            "target": self.target,
-            "warmup_submitted": self.submitted,
-            "warmup_state": None if self.warmup_state is None else self.warmup_state.value,
-            "over_restored": self.over_restored,
-            "useful_after_warmup": self.useful,
-            "under_submitted": self.under_submitted,
-            "under_submitted_is_lower_bound": self.under_submitted is not None
-            and self.record.under_submitted_lower_bound,
+            "verl_version": {
+                "version": self.version.version or None,
+                "semantics": self.version.semantics,
+                "source": self.version.source,
+                "detail": self.version.detail or None,
+            },
+            **agreed,
+            "under_submitted_is_lower_bound": bool(agreed["under_submitted_is_lower_bound"]),
+            "predictions": predictions,
             "assumed_defaults": list(self.record.assumed_defaults),
             "controller_state_bytes": self.reading.size_bytes,
             "saved_at": self.reading.saved_at_ns / 1e9,
@@ -197,19 +240,77 @@ class Preflight:
         }
 
 
+PREDICTION_KEYS = (
+    "target",
+    "warmup_submitted",
+    "warmup_state",
+    "over_restored",
+    "over_filled",
+    "useful_after_warmup",
+    "under_submitted",
+    "under_submitted_is_lower_bound",
+)
+
+
+def _agreed(values: list[V]) -> V | None:
+    """The value every prediction gives; None when they differ, or there is none."""
+    return values[0] if values and all(value == values[0] for value in values) else None
+
+
 def preflight(
-    reading: CheckpointReading, config: WarmupConfig | None, *, chosen_by: str | None = None, latest: int | None = None
+    reading: CheckpointReading,
+    config: WarmupConfig | None,
+    version: VerlVersion,
+    *,
+    chosen_by: str | None = None,
+    latest: int | None = None,
 ) -> Preflight:
-    """Predict the resume from ``reading``: R, K, doomed, and with the config T, M, O and the deficit.
+    """Predict the resume from ``reading``: R, K, doomed, and with the config T, M, O, the over-fill and the
+    deficit under the warmup of ``version`` (each warmup while it is unknown).
 
     ``chosen_by`` says the user picked the step (and ``latest`` what verl would pick instead)."""
     composition = reading.composition
-    record = predict_resume(reading.to_event(), composition.reissued, composition.inflight_trajectories, config)
-    return Preflight(reading, config, record, chosen_by, latest)
+    event = reading.to_event()
+    records = predict_resumes(event, composition.reissued, composition.inflight_trajectories, config, version)
+    return Preflight(reading, config, records, version, chosen_by, latest)
+
+
+def inspected_version(logs: Sequence[str], flag: str | None) -> VerlVersion:
+    """The verl release ``tqmon inspect`` predicts for: the trainer logs' own lines (the newest telling one), then
+    ``--verl-version``, then the verl installed next to tqmon; unknown without any."""
+    from tqmon.postmortem import LogZone, in_time_order, read_log
+
+    events, _ = in_time_order([(path, read_log(path, LogZone.of(None))[0]) for path in logs])
+    told = [version for version in map(betrayed_by, events) if version is not None]
+    flagged = None if flag is None else named(flag, "flag", FLAG)
+    return choose([told[-1] if told else None, flagged, installed()])
+
+
+def _warmup_phrase(result: Preflight, record: ResumeRecord, *, would: bool) -> str:
+    """ "verl 0.9.1's warmup will submit M; useful window right after warmup U of T — verdict"."""
+    release = record.semantics.removeprefix("verl-")
+    if record.submitted is None:
+        return f"verl {release}'s warmup fails (see note)"
+    phrase = f"verl {release}'s warmup {'would' if would else 'will'} submit {record.submitted}"
+    if record.target is None:
+        return phrase + "; the warmup is off (skip.rollout_tq or num_warmup_batches <= 0): verl defines no T"
+    bound = "" if result.doomed_complete else "at most "
+    phrase += f"; useful window right after warmup {bound}{result.useful(record)} of {record.target}"
+    if record.under_submitted:
+        minimum = "" if result.doomed_complete else "at least "
+        return phrase + f" — under-submitted by {minimum}{record.under_submitted}"
+    if record.semantics == LEGACY and record.over_filled:
+        return phrase + f" — over-filled by {record.over_filled} (R + M - T: the warmup ignores R; kept all run)"
+    if record.over_restored:
+        return phrase + f" — over-restored by {record.over_restored} (kept all run)"
+    if record.warmup_state is WarmupState.LOST_WINDOW:
+        return phrase + " — LOST WINDOW: no transfer_queue/ to restore, the warmup re-generates it all"
+    return phrase + " — ok"
 
 
 def render(result: Preflight) -> str:
-    """The human preflight: a headline sentence, then the details."""
+    """The human preflight: a headline sentence, then the details (a column per warmup while the verl version
+    is unknown)."""
     reading, c = result.reading, result.reading.composition
     statuses = c.by_status
     finished_doom = [f"{result.doomed[r]} {r}" for r in ("stale", "filtered") if result.doomed.get(r)]
@@ -218,24 +319,17 @@ def render(result: Preflight) -> str:
         f"resuming from {result.step_phrase} will restore {result.restored} prompt groups: "
         f"{statuses['pending']} pending, {statuses['running']} running, {finished}, {statuses['failure']} failed"
     )
+    predicted = result.predicted
     if result.warmup_state is WarmupState.SYNC_MODE:
         head = (
             f"resuming from {result.step_phrase} in sync mode restores no TransferQueue state "
             f"(the checkpoint holds {c.restored} prompt groups); sync mode has no warmup"
         )
-    elif result.target is not None and result.submitted is not None and result.useful is not None:
-        bound = "" if result.doomed_complete else "at most "
-        head += f"; warmup will submit {result.submitted}; useful window right after warmup {bound}{result.useful}"
-        head += f" of {result.target}"
-        if result.under_submitted:
-            minimum = "" if result.doomed_complete else "at least "
-            head += f" — under-submitted by {minimum}{result.under_submitted}"
-        elif result.over_restored:
-            head += f" — over-restored by {result.over_restored} (kept all run)"
-        elif result.warmup_state is WarmupState.LOST_WINDOW:
-            head += " — LOST WINDOW: no transfer_queue/ to restore, the warmup re-generates it all"
-        else:
-            head += " — ok"
+    elif len(predicted) == 1:
+        head += "; " + _warmup_phrase(result, predicted[0], would=False)
+    elif predicted:
+        outcomes = "; ".join(_warmup_phrase(result, record, would=True) for record in predicted)
+        head += f"; the warmup depends on the verl version, which is unknown: {outcomes}"
     else:
         head += "; warmup and under-submission: need the trainer config (see note)"
 
@@ -267,32 +361,51 @@ def render(result: Preflight) -> str:
     rows.append(("doomed", f"{doomed} (first sample at step {result.sample_step}{rule})"))
     orphans = f"{c.orphan_trajectories} orphaned: no prompt key, nothing clears them"
     rows.append(("trajectories", f"{c.trajectories} ({orphans})"))
-    if result.config is not None and result.target is not None:
+    rows.append(("verl", result.version.describe()))
+    if result.config is not None and result.record.target is not None:
         cfg = result.config
         rows.append(
             (
                 "target T",
-                f"{result.target} ({cfg.trainer_mode}, train_batch_size {cfg.train_batch_size}, "
+                f"{result.record.target} ({cfg.trainer_mode}, train_batch_size {cfg.train_batch_size}, "
                 f"num_warmup_batches {cfg.num_warmup_batches:g}, gen_batch_size {cfg.effective_gen_batch_size})",
             )
         )
-        state = "" if result.warmup_state is None else f" ({result.warmup_state.value})"
-        rows.append(("warmup M", f"{result.submitted}{state}"))
-        rows.append(("over-restored O", str(result.over_restored)))
-        if result.useful is not None:
-            lost = sum(result.doomed.values())
-            rows.append(
-                (
-                    "useful window",
-                    f"{result.useful} of {result.target} (R {result.restored} - doomed {lost} + M {result.submitted})",
-                )
-            )
-        if result.under_submitted is not None:
-            rows.append(("under-submitted", deficit(result.record)))
+        rows.append(("over-restored O", str(result.record.over_restored)))
+        rows += _prediction_rows(result)
     width = max(len(label) for label, _ in rows)
-    lines = [head, ""] + [f"{label.ljust(width)}  {value}" for label, value in rows]
+    lines = [head, ""] + [f"{label.ljust(width)}  {value}".rstrip() for label, value in rows]
     lines += [f"note: {note}" for note in result.notes]
     return "\n".join(lines)
+
+
+def _prediction_rows(result: Preflight) -> list[tuple[str, str]]:
+    """The rows that depend on the warmup: one value each, or a column per warmup while the version is unknown."""
+    predicted = result.predicted
+    table: list[tuple[str, list[str]]] = [
+        ("warmup M", [_value(r.submitted) + f" ({r.warmup_state.value})" for r in predicted]),
+        ("over-filled", [_value(r.over_filled) + (" (R + M - T)" if r.over_filled else "") for r in predicted]),
+        (
+            "useful window",
+            [
+                "-"
+                if result.useful(r) is None
+                else f"{result.useful(r)} of {r.target} (R {result.restored} - doomed "
+                f"{sum(result.doomed.values())} + M {r.submitted})"
+                for r in predicted
+            ],
+        ),
+        ("under-submitted", [deficit(r) for r in predicted]),
+    ]
+    if len(predicted) == 1:
+        return [(label, values[0]) for label, values in table]
+    table.insert(0, ("warmup of", [r.semantics for r in predicted]))
+    widths = [max(len(values[i]) for _, values in table) for i in range(len(predicted))]
+    return [(label, "   ".join(v.ljust(w) for v, w in zip(values, widths, strict=True))) for label, values in table]
+
+
+def _value(value: int | None) -> str:
+    return "-" if value is None else str(value)
 
 
 def _size(n: int) -> str:

@@ -15,6 +15,7 @@ from datetime import UTC, datetime
 from tqmon.conditions import Condition, ConditionState, evaluate
 from tqmon.report import verdict
 from tqmon.snapshot import CheckpointView, Evidence, ResumeRecord, Snapshot, SourceHealth, Tally, WindowView
+from tqmon.versions import VerlVersion
 from tqmon.warmup import DOOM_REASONS, PROMPT_STATUSES, TRAIN, WarmupState, doomed_complete, unknown_doom_reasons
 
 REFRESH_SECONDS = 5
@@ -383,7 +384,7 @@ def _windows(snapshot: Snapshot, now: float) -> str:
     return f'<section id="window"><h2>Live prefetch window</h2>{body}</section>'
 
 
-def _checkpoint(checkpoint: CheckpointView | None, target: int | None) -> str:
+def _checkpoint(checkpoint: CheckpointView | None, target: int | None, version: VerlVersion) -> str:
     if checkpoint is None:
         return (
             '<section id="checkpoint"><h2>Checkpoint preflight</h2><p class="muted">No checkpoint seen '
@@ -404,7 +405,28 @@ def _checkpoint(checkpoint: CheckpointView | None, target: int | None) -> str:
         f'<section id="checkpoint"><h2>Checkpoint preflight: global_step_<span data-k="checkpoint-step">'
         f"{_e(checkpoint.step)}</span> <span class='muted'>(from {_e(checkpoint.source)})</span></h2>{composition}"
         f"<p>Doomed at its first sample: {_doomed(checkpoint.doomed)}. Orphan trajectories: {_num(orphans)}.</p>"
-        "</section>"
+        f"{_outcomes(checkpoint, version)}</section>"
+    )
+
+
+def _outcomes(checkpoint: CheckpointView, version: VerlVersion) -> str:
+    """The warmup a resume from the checkpoint would run: the known verl version's, or each while it is unknown."""
+    said = f'Its warmup, for <span data-k="verl-version">{_e(version.describe())}</span>:'
+    if not checkpoint.outcomes:
+        needs = "its composition" if checkpoint.by_status is None else "the trainer config"
+        return f"<p>{said} <span class='muted'>not predicted without {needs}.</span></p>"
+    rows = "".join(
+        f'<tr data-semantics="{_e(o.semantics)}"><td>{_e(o.semantics)}</td><td>{_e(o.warmup_state)}</td>'
+        f'<td class="n">{_num(o.submitted)}</td><td class="n">{_num(o.over_restored)}</td>'
+        f'<td class="n">{_num(o.over_filled)}</td><td class="n">'
+        f"{'≥ ' if o.under_submitted_lower_bound and o.under_submitted is not None else ''}"
+        f"{_num(o.under_submitted)}</td></tr>"
+        for o in checkpoint.outcomes
+    )
+    return (
+        f"<p>{said}</p><table><thead><tr><th>warmup of</th><th>state</th><th>M submitted</th><th>O over-restored</th>"
+        "<th>over-filled R + M − T</th><th>deficit T − (R − doomed + M)</th></tr></thead>"
+        f"<tbody>{rows}</tbody></table>"
     )
 
 
@@ -488,12 +510,11 @@ def _plugin(snapshot: Snapshot, now: float) -> str:
 
 
 def _run(snapshot: Snapshot) -> str:
-    run = snapshot.run
+    run, told = snapshot.run, snapshot.verl_version
+    verl = "verl version unknown" if told.source is None else f"verl {told.version} (from {told.source})"
     if run is None:
-        return "run not identified yet"
-    parts = [f"run {run.run_id or '(no id)'}", run.trainer_mode, f"verl {run.verl_version or '?'}"]
-    parts.append(f"config from {run.config_source}")
-    return " · ".join(parts)
+        return f"run not identified yet · {verl}"
+    return " · ".join([f"run {run.run_id or '(no id)'}", run.trainer_mode, verl, f"config from {run.config_source}"])
 
 
 def render(snapshot: Snapshot, now: float) -> str:
@@ -502,7 +523,7 @@ def render(snapshot: Snapshot, now: float) -> str:
     links = "".join(f'<a href="{href}">{_e(label)}</a>' for href, label in LINKS)
     main = (
         f"<main>{_banner(snapshot, conditions, now)}{_last_start(snapshot.last_record, now)}{_windows(snapshot, now)}"
-        f"{_checkpoint(snapshot.checkpoint, snapshot.target_window)}{_conditions(conditions)}"
+        f"{_checkpoint(snapshot.checkpoint, snapshot.target_window, snapshot.verl_version)}{_conditions(conditions)}"
         f"{_starts(snapshot.records[-RECENT_STARTS:], snapshot.records_total, now)}{_sources(snapshot, now)}"
         f'<p class="muted">Rendered {_e(_utc(now))} from the snapshot built {_e(_utc(snapshot.built_at))}; '
         f"{_e(snapshot.resumes_total)} resumes, {_e(snapshot.records_total)} starts in all.</p></main>"
@@ -513,7 +534,7 @@ def render(snapshot: Snapshot, now: float) -> str:
         f"<title>tqmon — {_e(verdict(snapshot.last_record) if snapshot.last_record else 'no start yet')}</title>"
         f'<link rel="icon" href="data:,"><noscript><meta http-equiv="refresh" content="{REFRESH_SECONDS}"></noscript>'
         f"<style>{STYLE}</style></head><body>"
-        f'<header><h1>tqmon {_e(snapshot.version)}</h1><span class="meta">{_e(_run(snapshot))}</span>'
+        f'<header><h1>tqmon {_e(snapshot.version)}</h1><span class="meta" id="header-meta">{_e(_run(snapshot))}</span>'
         f'<nav>{links}</nav><span class="live" id="live" data-refreshed="0">rendered '
         f"{_e(_utc(now)[11:19])} UTC, every {REFRESH_SECONDS}s</span></header>{main}"
         f"<script>{REFRESH_SCRIPT % (REFRESH_SECONDS, REFRESH_SECONDS)}</script></body></html>"

@@ -112,6 +112,10 @@ def metric_values(snapshot: Snapshot, now: float) -> Iterator[tuple[MetricSpec, 
     if snapshot.run is not None:
         run = snapshot.run
         values["tqmon_run_info"] = [Series((run.run_id, run.trainer_mode, run.verl_version), 1)]
+    told = snapshot.verl_version
+    values["tqmon_verl_version_info"] = [
+        Series((told.version, told.semantics or "unknown", told.source or "unknown"), 1)
+    ]
     if record is not None:
         values |= {
             "tqmon_last_resume_timestamp_seconds": [Series((), record.started_at)],
@@ -147,6 +151,15 @@ def metric_values(snapshot: Snapshot, now: float) -> Iterator[tuple[MetricSpec, 
             "tqmon_checkpoint_prompt_groups": _by_status(checkpoint.by_status) if checkpoint.by_status else [],
             "tqmon_checkpoint_doomed_prompt_groups": [Series((r,), n) for r, n in (checkpoint.doomed or {}).items()],
             "tqmon_checkpoint_orphan_trajectories": _opt(checkpoint.orphan_trajectories),
+            "tqmon_checkpoint_warmup_submitted_prompt_groups": [
+                Series((o.semantics,), o.submitted) for o in checkpoint.outcomes if o.submitted is not None
+            ],
+            "tqmon_checkpoint_over_filled_prompt_groups": [
+                Series((o.semantics,), o.over_filled) for o in checkpoint.outcomes if o.over_filled is not None
+            ],
+            "tqmon_checkpoint_under_submitted_prompt_groups": [
+                Series((o.semantics,), o.under_submitted) for o in checkpoint.outcomes if o.under_submitted is not None
+            ],
         }
     if snapshot.tq is not None:
         tq = snapshot.tq
