@@ -10,8 +10,9 @@ without fields registers new keys with their tags and never touches a storage un
   trainer's ``tq.kv_list`` (what verl's ``_count_tq_prompt_groups`` calls), taking turns;
 - tqmon's full aggregation (``windows_from``: both partitions, every status, ages, orphans) against a bare
   prompt count like verl's on the same reply (issue 15 target: at most 3x), and its profile: the
-  classification pass (prompt groups by status and step, trajectory keys collected) and the trajectory
-  attribution pass (each trajectory key split and looked up by its uid: orphans and in-flight);
+  classification pass (prompt groups by status and step, each prompt key with whether it is in flight,
+  trajectory keys collected) and the trajectory attribution pass (each trajectory key split and its uid
+  looked up among the prompt keys: orphans and in-flight);
 - what the default 1% budget makes of the measured cost: the interval ``PollBudget`` picks and its busy share;
 - a real ``tqmon serve --ray-address`` subprocess polling flat out (``--tq-budget 1``, 0.5 s interval):
   ``GET /metrics`` latency once it has read the whole window (target: 1M within 1.2x of 1k), its RSS,
@@ -322,12 +323,12 @@ def time_kv_list(result: Result, trainer: Trainer, client: ControllerClient) -> 
 
 def time_aggregation(result: Result, reply: dict[str, dict[str, Any]]) -> None:
     train = reply["train"]
-    _, trajectory_keys = classify_keys(train)
+    _, prompts, trajectory_keys = classify_keys(train)
     for _ in range(repeats(result.size)):
         result.full.append(timed(lambda: windows_from(reply, None, time.time())))
         result.bare.append(timed(lambda: bare_count(reply)))
         result.classify.append(timed(lambda: classify_keys(train)))
-        result.attribute.append(timed(lambda: attribute(train, trajectory_keys)))
+        result.attribute.append(timed(lambda: attribute(prompts, trajectory_keys)))
 
 
 def measure(trainer: Trainer, client: ControllerClient, size: int, workdir: Path) -> Result:
