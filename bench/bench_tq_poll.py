@@ -39,6 +39,7 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"  # keep Ray on 127.0.0.1; before ray is imported
@@ -329,9 +330,8 @@ def time_kv_list(result: Result, trainer: Trainer, client: ControllerClient) -> 
 Aggregation = Callable[[dict[str, dict[str, Any]]], object]
 
 
-def aggregation_at(revision: str) -> Aggregation:
-    """``windows_from`` with ``tqmon/composition.py`` as git ``revision`` has it (the rest of this tree around
-    it), so one run times an older aggregation beside this one, on the same reply and under the same load."""
+def composition_at(revision: str) -> ModuleType:
+    """``tqmon/composition.py`` as git ``revision`` has it, loaded beside this tree's (which it imports)."""
     root = Path(__file__).resolve().parent.parent
     path = f"{revision}:tqmon/composition.py"
     source = subprocess.run(["git", "-C", str(root), "show", path], check=True, capture_output=True, text=True).stdout
@@ -340,7 +340,13 @@ def aggregation_at(revision: str) -> Aggregation:
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # dataclasses look their module up while building the classes
     exec(compile(source, path, "exec"), module.__dict__)
-    compose = module.compose
+    return module
+
+
+def aggregation_at(revision: str) -> Aggregation:
+    """``windows_from`` with the composition module of git ``revision``, so one run times an older
+    aggregation beside this one, on the same reply and under the same load."""
+    compose = composition_at(revision).compose
     return lambda reply: windows_of({p: compose(reply.get(p) or {}) for p in PARTITIONS}, None, time.time())
 
 

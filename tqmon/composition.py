@@ -129,7 +129,8 @@ def compose(tags: Mapping[str, Any], progress: Progress | None = None) -> Compos
 
     A key is a prompt group iff ``tag.get("is_prompt", False)``; a trajectory key is ``{uid}_{session}_{i}``
     and belongs to prompt ``uid``. Validation runs on the distinct ``(status, global_steps)`` pairs, not
-    per key, so a million-key reply costs little more than verl's own count.
+    per key, so it adds nothing per key to the two passes (``bench/README.md`` has their cost against verl's
+    own count).
     """
     groups: dict[tuple[Any, Any], int] = {}
     prompts: dict[str, bool] = {}
