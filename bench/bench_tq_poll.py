@@ -27,7 +27,6 @@ Ctrl-C (or any error) still closes TQ, shuts Ray down and stops the tqmon subpro
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import os
 import statistics
 import subprocess
@@ -39,18 +38,17 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"  # keep Ray on 127.0.0.1; before ray is imported
 
 import httpx
+from aggregation import Aggregation, aggregation_of, bare_count, composition_at
 from bench_service import free_port, percentile, stop_process, table
 
 from tqmon.composition import attribute, classify_keys
 from tqmon.sim.rollout import trajectory_tag
-from tqmon.sources.tq import ControllerClient, PollBudget, PollSettings, windows_from, windows_of
-from tqmon.warmup import PARTITIONS
+from tqmon.sources.tq import ControllerClient, PollBudget, PollSettings, windows_from
 
 DEFAULT_SIZES = (1_000, 10_000, 100_000, 1_000_000)
 PUT_CHUNK = 10_000  # keys per kv_batch_put while filling
@@ -96,11 +94,6 @@ def grow(tq: Any, start: int, stop: int) -> None:
     for low in range(start, stop, PUT_CHUNK):
         keys, tags = zip(*(key_and_tag(i) for i in range(low, min(low + PUT_CHUNK, stop))), strict=True)
         tq.kv_batch_put(keys=list(keys), partition_id="train", tags=list(tags))
-
-
-def bare_count(reply: dict[str, dict[str, Any]]) -> int:
-    """verl's ``_count_tq_prompt_groups`` over every partition of the reply: the least a poll can do."""
-    return sum(1 for tags in reply.values() for tag in tags.values() if tag.get("is_prompt", False))
 
 
 def timed(call: Callable[[], object]) -> float:
@@ -327,29 +320,6 @@ def time_kv_list(result: Result, trainer: Trainer, client: ControllerClient) -> 
     return reply
 
 
-Aggregation = Callable[[dict[str, dict[str, Any]]], object]
-
-
-def composition_at(revision: str) -> ModuleType:
-    """``tqmon/composition.py`` as git ``revision`` has it, loaded beside this tree's (which it imports)."""
-    root = Path(__file__).resolve().parent.parent
-    path = f"{revision}:tqmon/composition.py"
-    source = subprocess.run(["git", "-C", str(root), "show", path], check=True, capture_output=True, text=True).stdout
-    spec = importlib.util.spec_from_loader(f"composition_at_{revision}", loader=None)
-    assert spec is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up while building the classes
-    exec(compile(source, path, "exec"), module.__dict__)
-    return module
-
-
-def aggregation_at(revision: str) -> Aggregation:
-    """``windows_from`` with the composition module of git ``revision``, so one run times an older
-    aggregation beside this one, on the same reply and under the same load."""
-    compose = composition_at(revision).compose
-    return lambda reply: windows_of({p: compose(reply.get(p) or {}) for p in PARTITIONS}, None, time.time())
-
-
 def time_aggregation(result: Result, reply: dict[str, dict[str, Any]], baseline: Aggregation | None) -> None:
     train = reply["train"]
     _, prompts, trajectory_keys = classify_keys(train)
@@ -528,7 +498,7 @@ def main() -> None:
     )
     args = parser.parse_args()
     sizes = sorted(int(s.replace("_", "")) for s in args.sizes.split(","))
-    baseline = aggregation_at(args.baseline) if args.baseline else None
+    baseline = aggregation_of(composition_at(args.baseline)) if args.baseline else None
     print(f"sizes {sizes}; {os.cpu_count()} CPUs, {mem_available() / 2**30:.1f} GiB available at start", flush=True)
     if args.baseline:
         print(f"--baseline revision: {args.baseline}", flush=True)
