@@ -9,9 +9,11 @@ without fields registers new keys with their tags and never touches a storage un
 - ``kv_list`` call time through tqmon's read-only ``ControllerClient`` (what the poller calls) and the
   trainer's ``tq.kv_list`` (what verl's ``_count_tq_prompt_groups`` calls), taking turns;
 - tqmon's full aggregation (``windows_from``: both partitions, every status, ages, orphans) against a bare
-  prompt count like verl's on the same reply (issue 15 target: at most 3x), and its profile: the
-  classification pass (prompt groups by status and step, trajectory keys collected) and the trajectory
-  attribution pass (each trajectory key split and looked up by its uid: orphans and in-flight);
+  prompt count like verl's on the same reply (issue 15 target: at most 3x), with ``--baseline REV`` also the
+  aggregation of git revision ``REV`` (its ``tqmon/composition.py``) on the same reply, and its profile: the
+  classification pass (prompt groups by status and step, each prompt key with whether it is in flight,
+  trajectory keys collected) and the trajectory attribution pass (each trajectory key split and its uid
+  looked up among the prompt keys: orphans and in-flight);
 - what the default 1% budget makes of the measured cost: the interval ``PollBudget`` picks and its busy share;
 - a real ``tqmon serve --ray-address`` subprocess polling flat out (``--tq-budget 1``, 0.5 s interval):
   ``GET /metrics`` latency once it has read the whole window (target: 1M within 1.2x of 1k), its RSS,
@@ -41,6 +43,7 @@ from typing import Any
 os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"  # keep Ray on 127.0.0.1; before ray is imported
 
 import httpx
+from aggregation import Aggregation, aggregation_of, bare_count, composition_at
 from bench_service import free_port, percentile, stop_process, table
 
 from tqmon.composition import attribute, classify_keys
@@ -91,11 +94,6 @@ def grow(tq: Any, start: int, stop: int) -> None:
     for low in range(start, stop, PUT_CHUNK):
         keys, tags = zip(*(key_and_tag(i) for i in range(low, min(low + PUT_CHUNK, stop))), strict=True)
         tq.kv_batch_put(keys=list(keys), partition_id="train", tags=list(tags))
-
-
-def bare_count(reply: dict[str, dict[str, Any]]) -> int:
-    """verl's ``_count_tq_prompt_groups`` over every partition of the reply: the least a poll can do."""
-    return sum(1 for tags in reply.values() for tag in tags.values() if tag.get("is_prompt", False))
 
 
 def timed(call: Callable[[], object]) -> float:
@@ -244,6 +242,8 @@ class Result:
     bare: list[float] = field(default_factory=list)
     classify: list[float] = field(default_factory=list)  # windows_from's first pass over train
     attribute: list[float] = field(default_factory=list)  # its second pass, over train's trajectory keys
+    baseline: list[float] = field(default_factory=list)  # windows_from with --baseline's composition module
+    load: tuple[float, ...] = ()  # the machine's load average (1, 5, 15 min) right after the aggregation timings
     steady: tuple[float, float | None] = (0.0, None)  # interval chosen at 1%, busy share
     fast: tuple[float, float | None] = (0.0, None)
     span: float = 0.0  # seconds each latency series under polling was spread over
@@ -320,21 +320,26 @@ def time_kv_list(result: Result, trainer: Trainer, client: ControllerClient) -> 
     return reply
 
 
-def time_aggregation(result: Result, reply: dict[str, dict[str, Any]]) -> None:
+def time_aggregation(result: Result, reply: dict[str, dict[str, Any]], baseline: Aggregation | None) -> None:
     train = reply["train"]
-    _, trajectory_keys = classify_keys(train)
+    _, prompts, trajectory_keys = classify_keys(train)
     for _ in range(repeats(result.size)):
         result.full.append(timed(lambda: windows_from(reply, None, time.time())))
         result.bare.append(timed(lambda: bare_count(reply)))
+        if baseline is not None:
+            result.baseline.append(timed(lambda: baseline(reply)))
         result.classify.append(timed(lambda: classify_keys(train)))
-        result.attribute.append(timed(lambda: attribute(train, trajectory_keys)))
+        result.attribute.append(timed(lambda: attribute(prompts, trajectory_keys)))
+    result.load = os.getloadavg()
 
 
-def measure(trainer: Trainer, client: ControllerClient, size: int, workdir: Path) -> Result:
+def measure(
+    trainer: Trainer, client: ControllerClient, size: int, workdir: Path, baseline: Aggregation | None
+) -> Result:
     result = Result(size, fill_seconds=trainer.grow_to(size))
     probes = trainer.probes()
     idle = {name: series(call, PROBES, MIN_SPAN) for name, call in probes.items()}
-    time_aggregation(result, time_kv_list(result, trainer, client))  # the reply is freed before tqmon starts
+    time_aggregation(result, time_kv_list(result, trainer, client), baseline)  # the reply is freed before tqmon starts
     result.span = span = poll_cycles(statistics.median(result.client_list))
 
     budget = PollBudget(PollSettings(budget=0.01))
@@ -400,6 +405,7 @@ def size_table(r: Result) -> str:
         ["kv_list via trainer tq.kv_list", *ms(r.trainer_list), f"{len(r.trainer_list)}"],
         ["windows_from (tqmon aggregation)", *ms(r.full), f"{len(r.full)}"],
         ["bare prompt count (verl)", *ms(r.bare), f"{len(r.bare)}"],
+        *([["windows_from, --baseline revision", *ms(r.baseline), f"{len(r.baseline)}"]] if r.baseline else []),
         ["  profile: classification pass (train)", *ms(r.classify), f"{len(r.classify)}"],
         ["  profile: trajectory attribution (train)", *ms(r.attribute), f"{len(r.attribute)}"],
         ["GET /metrics while tqmon polls", *ms(r.scrapes), f"{len(r.scrapes)}"],
@@ -413,7 +419,13 @@ def size_table(r: Result) -> str:
     notes = [
         f"aggregation / bare count (medians): {ratio:.2f}x (target <= 3x); profile: classification "
         f"{statistics.median(r.classify) / statistics.median(r.bare):.2f}x, trajectory attribution "
-        f"{statistics.median(r.attribute) / statistics.median(r.bare):.2f}x",
+        f"{statistics.median(r.attribute) / statistics.median(r.bare):.2f}x"
+        + (
+            f"; --baseline revision {statistics.median(r.baseline) / statistics.median(r.bare):.2f}x"
+            if r.baseline
+            else ""
+        )
+        + f"; load average {' / '.join(f'{x:.2f}' for x in r.load)}",
         f"default budget 1% (smoothed cost {r.smoothed_cost * 1e3:,.1f} ms): "
         f"steady interval {steady:.2f} s (busy {100 * (steady_busy or 0):.3f}%), "
         f"after a resume {fast:.2f} s (busy {100 * (fast_busy or 0):.3f}%)",
@@ -436,6 +448,9 @@ def summary(results: Sequence[Result]) -> str:
     def ratio(r: Result) -> str:
         return f"{statistics.median(r.full) / statistics.median(r.bare):.2f}x"
 
+    def baseline_ratio(r: Result) -> str:
+        return f"{statistics.median(r.baseline) / statistics.median(r.bare):.2f}x" if r.baseline else "n/a"
+
     def put(r: Result, polled: int, column: int) -> str:
         return ms(next(iter(r.stall.values()))[polled])[column]
 
@@ -446,8 +461,10 @@ def summary(results: Sequence[Result]) -> str:
         row("windows_from median ms", lambda r: ms(r.full)[0]),
         row("bare count median ms", lambda r: ms(r.bare)[0]),
         row("aggregation / bare", ratio),
+        row("  --baseline revision / bare", baseline_ratio),
         row("  classification / bare", lambda r: f"{statistics.median(r.classify) / statistics.median(r.bare):.2f}x"),
         row("  attribution / bare", lambda r: f"{statistics.median(r.attribute) / statistics.median(r.bare):.2f}x"),
+        row("load average (1 min) then", lambda r: f"{r.load[0]:.2f}"),
         row("/metrics median ms", lambda r: ms(r.scrapes)[0]),
         row("/metrics p95 ms", lambda r: ms(r.scrapes)[1]),
         row("/metrics max ms", lambda r: ms(r.scrapes)[2]),
@@ -476,8 +493,15 @@ def summary(results: Sequence[Result]) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
     parser.add_argument("--sizes", default=",".join(map(str, DEFAULT_SIZES)), help="comma-separated key counts")
-    sizes = sorted(int(s.replace("_", "")) for s in parser.parse_args().sizes.split(","))
+    parser.add_argument(
+        "--baseline", metavar="REV", help="also time the aggregation of git revision REV (e.g. main) side by side"
+    )
+    args = parser.parse_args()
+    sizes = sorted(int(s.replace("_", "")) for s in args.sizes.split(","))
+    baseline = aggregation_of(composition_at(args.baseline)) if args.baseline else None
     print(f"sizes {sizes}; {os.cpu_count()} CPUs, {mem_available() / 2**30:.1f} GiB available at start", flush=True)
+    if args.baseline:
+        print(f"--baseline revision: {args.baseline}", flush=True)
 
     results: list[Result] = []
     client: ControllerClient | None = None
@@ -492,7 +516,7 @@ def main() -> None:
                     results.append(Result(size, skipped=refused or "a smaller size already hit a limit"))
                 else:
                     try:
-                        results.append(measure(trainer, client, size, Path(name)))
+                        results.append(measure(trainer, client, size, Path(name), baseline))
                     except Exception as err:  # a size that does not fit is a result, not a crash
                         results.append(Result(size, skipped=limit_hit(err)))
                 if results[-1].skipped:

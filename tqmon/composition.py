@@ -129,17 +129,19 @@ def compose(tags: Mapping[str, Any], progress: Progress | None = None) -> Compos
 
     A key is a prompt group iff ``tag.get("is_prompt", False)``; a trajectory key is ``{uid}_{session}_{i}``
     and belongs to prompt ``uid``. Validation runs on the distinct ``(status, global_steps)`` pairs, not
-    per key, so a million-key reply costs little more than verl's own count.
+    per key, so it adds nothing per key to the two passes (``bench/README.md`` has their cost against verl's
+    own count).
     """
     groups: dict[tuple[Any, Any], int] = {}
+    prompts: dict[str, bool] = {}
     trajectory_keys: list[str] = []
     items = iter(tags.items())
     try:
         if progress is None:
-            _fold(items, groups, trajectory_keys)
+            _fold(items, groups, prompts, trajectory_keys)
         else:
             while chunk := list(islice(items, PROGRESS_EVERY)):
-                _fold(chunk, groups, trajectory_keys)
+                _fold(chunk, groups, prompts, trajectory_keys)
                 progress.update(len(chunk))
     except AttributeError:
         key = next(k for k, tag in tags.items() if not isinstance(tag, Mapping))
@@ -151,41 +153,52 @@ def compose(tags: Mapping[str, Any], progress: Progress | None = None) -> Compos
         if not isinstance(steps, int) or isinstance(steps, bool) or steps < 0:
             key = next(k for k, t in tags.items() if t.get("is_prompt", False) and t.get("global_steps") == steps)
             raise CompositionError(f"prompt key {key!r} has global_steps {steps!r}")
-    orphans, inflight = attribute(tags, trajectory_keys)
+    orphans, inflight = attribute(prompts, trajectory_keys)
     return Composition(groups, len(trajectory_keys), orphans, inflight, len(tags))
 
 
-def classify_keys(tags: Mapping[str, Any]) -> tuple[dict[tuple[Any, Any], int], list[str]]:
-    """The first pass of :func:`compose` alone, unvalidated: prompt groups by (status, steps), trajectory keys."""
+def classify_keys(tags: Mapping[str, Any]) -> tuple[dict[tuple[Any, Any], int], dict[str, bool], list[str]]:
+    """The first pass of :func:`compose` alone, unvalidated: prompt groups by (status, steps), each prompt key
+    with whether its group is in flight, and the trajectory keys."""
     groups: dict[tuple[Any, Any], int] = {}
+    prompts: dict[str, bool] = {}
     trajectory_keys: list[str] = []
-    _fold(tags.items(), groups, trajectory_keys)
-    return groups, trajectory_keys
+    _fold(tags.items(), groups, prompts, trajectory_keys)
+    return groups, prompts, trajectory_keys
 
 
-def attribute(tags: Mapping[str, Any], trajectory_keys: Iterable[str]) -> tuple[int, int]:
-    """The second pass: (orphan, in-flight) trajectories, each trajectory key looked up by its uid.
+def attribute(prompts: Mapping[str, bool], trajectory_keys: Iterable[str]) -> tuple[int, int]:
+    """The second pass: (orphan, in-flight) trajectories, each trajectory key looked up by its uid in
+    ``prompts`` (prompt key -> its group is pending or running, as :func:`classify_keys` made it).
 
-    This pass is most of a poll's aggregation cost (one string split and one lookup per trajectory key,
-    ``bench/bench_tq_poll.py`` profiles it); C-level pipelines (``map``/``Counter`` over ``str.partition``)
-    measured slower than this loop, because the split allocates per key either way.
+    Still most of a poll's aggregation cost: the uid is a new string per trajectory key, hashed for the
+    lookup (``bench/README.md`` has the profile). Looking the uid up in the first pass's own map, not in the
+    reply, saves the two tag reads per trajectory key the owner's tag would cost.
     """
     orphans = inflight = 0
-    find = tags.get  # the prompt key of a trajectory is its uid: look it up in the reply itself
+    find = prompts.get
     for key in trajectory_keys:
         owner = find(key.partition("_")[0])
-        if owner is None or not owner.get("is_prompt", False):
+        if owner is None:
             orphans += 1
-        elif owner.get("status") in INFLIGHT_STATUSES:
+        elif owner:
             inflight += 1
     return orphans, inflight
 
 
-def _fold(items: Iterable[tuple[str, Any]], groups: dict[tuple[Any, Any], int], trajectory_keys: list[str]) -> None:
+def _fold(
+    items: Iterable[tuple[str, Any]],
+    groups: dict[tuple[Any, Any], int],
+    prompts: dict[str, bool],
+    trajectory_keys: list[str],
+) -> None:
     """The hot loop: as few operations per key as the classification allows."""
+    append = trajectory_keys.append
     for key, tag in items:
         if tag.get("is_prompt", False):
-            group = (tag.get("status"), tag.get("global_steps"))
+            status = tag.get("status")
+            group = (status, tag.get("global_steps"))
             groups[group] = groups.get(group, 0) + 1
+            prompts[key] = status in INFLIGHT_STATUSES
         else:
-            trajectory_keys.append(key)
+            append(key)
