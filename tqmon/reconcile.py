@@ -555,6 +555,7 @@ class Reconciler:
         self.resumes = 0
         self.trainer_step: int | None = None
         self.trainer_last_event: float | None = None
+        self.trainer_stepped_at: float | None = None  # when a completed or saved step last moved trainer_step on
         self.windows: dict[tuple[str, str], WindowView] = {}  # (source, partition) -> the newest seen
         self.checkpoint: CheckpointView | None = None
         self._observed: Observed | None = None
@@ -622,6 +623,7 @@ class Reconciler:
         seen = min(at, received_at)
         self.trainer_last_event = seen if self.trainer_last_event is None else max(self.trainer_last_event, seen)
         self._event_time = trainer_time(event, source, received_at)
+        step_before = self.trainer_step
         evidence_of: Observed | None = None  # the start this event is evidence of
         match event:
             case RunStarted():
@@ -699,6 +701,9 @@ class Reconciler:
                 self._saved(event, source, at)
             case WindowObserved():
                 self._observe_window(event, event.source_name(source), seen)
+        if isinstance(event, StepCompleted | CheckpointSaved) and self.trainer_step != step_before:
+            # The trainer progresses (what the alerts and the status page read); a resume going back is not a step.
+            self.trainer_stepped_at = _latest(self.trainer_stepped_at, seen)
         if evidence_of is not None:
             evidence_of.evidence.append(Evidence(source, event.type, event.id, at, _describe(event)))
             self._rederive()
