@@ -29,7 +29,6 @@ FLEET_DASHBOARD_UID = "tqmon-fleet"
 GROUP = "tqmon"
 DURATION = re.compile(r"(\d+(ms|s|m|h|d|w|y))+")
 DURATION_UNITS = {"ms": 0.001, "s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800, "y": 31536000}
-STALL_QUIET_SECONDS = 300  # a global step standing this long is a moment of a stall (TQMonTrainerStalled)
 
 # Recording rules (level:metric:operations); the dashboards read them too.
 WINDOW_TOTAL = "tqmon:window_prompt_groups:sum"
@@ -57,7 +56,7 @@ class RuleConfig:
     fill_ratio_threshold: float = _param(0.9, "Live window below this share of T reads under-filled.")
     under_filled_for: str = _param("10m", "How long the window must stay under-filled after a resume.")
     resume_window_seconds: int = _param(7200, "Resume alerts look only this long after the last start.")
-    progress_window: str = _param("10m", "The trainer is progressing if its global step changed this recently.")
+    progress_window: str = _param("10m", "The trainer progresses if a step moved its global step on this recently.")
     over_fill_ratio_threshold: float = _param(1.0, "Live window above this share of T reads over target.")
     over_target_for: str = _param("30m", "How long the window must stay over target.")
     decision_for: str = _param("1m", "for: of the alerts on the warmup decision (its numbers settle in seconds).")
@@ -70,7 +69,8 @@ class RuleConfig:
     push_sources: tuple[str, ...] = _param(("events",), "Sources that succeed only when pushed to: never stale.")
     down_for: str = _param("5m", "for: of TQMonDown (up == 0).")
     absent_for: str = _param("15m", "for: of TQMonAbsent (no tqmon target at all).")
-    stall_for: str = _param("30m", "No new step for 5m, continuously for this long, while the trainer talks.")
+    stall_window: str = _param("5m", "A global step standing this long while the trainer talks is a stall.")
+    stall_for: str = _param("30m", "How long the trainer must stay stalled.")
     trainer_active_seconds: int = _param(600, "The trainer counts as alive if heard from this recently.")
 
     def __post_init__(self) -> None:
@@ -296,7 +296,7 @@ def _stalled(snapshot: Snapshot, now: float, config: RuleConfig) -> Check:
     if snapshot.trainer_step is None:
         return False, "no global step observed"
     stepped, heard = snapshot.trainer_stepped_at, snapshot.trainer_last_event
-    standing = stepped is None or now - stepped >= STALL_QUIET_SECONDS
+    standing = stepped is None or now - stepped >= duration_seconds(config.stall_window)
     talking = heard is not None and now - heard < config.trainer_active_seconds
     since = "no step seen" if stepped is None else f"last step {now - stepped:.0f}s ago"
     heard_detail = "never heard from" if heard is None else f"heard from {now - heard:.0f}s ago"
@@ -458,7 +458,7 @@ def alerts(config: RuleConfig) -> list[Alert]:
         ),
         Alert(
             "TQMonTrainerStalled",
-            f"{step}\nunless (time() - {stepped}) < {STALL_QUIET_SECONDS}"
+            f"{step}\nunless (time() - {stepped}) < {duration_seconds(config.stall_window):g}"
             f"\nand (time() - {m('tqmon_trainer_last_event_timestamp_seconds')}) < {config.trainer_active_seconds}",
             config.stall_for,
             "warning",
