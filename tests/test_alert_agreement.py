@@ -156,4 +156,5 @@ def test_every_alert_fires_in_promtool_exactly_when_its_python_condition_holds(
     held = [alert for firing in verdicts.values() for point in firing for alert in point]
     total = sum(len(firing) for firing in verdicts.values())
     evaluated = [alert.name for alert in rules.alerts(SHIPPED) if alert.check is not None]
-    assert [a for a in evaluated if not 0 < held.count(a) < total] == [], verdicts
+    counts = {alert: held.count(alert) for alert in evaluated}
+    assert [a for a, n in counts.items() if not 0 < n < total] == [], (counts, total)

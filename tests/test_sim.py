@@ -47,7 +47,7 @@ from tqmon.service import Service, ServiceConfig
 from tqmon.sim.cli import sim
 from tqmon.sim.scenarios import CHECKPOINT_DIR, LOG_FILE, SCENARIOS, Scenario, TrainerSettings
 from tqmon.sim.trainer import CONTROLLER, SimReport, run_scenario
-from tqmon.snapshot import Snapshot
+from tqmon.snapshot import Snapshot, SourceName
 from tqmon.sources.tq import (
     ControllerClient,
     PollBudget,
@@ -500,8 +500,9 @@ class InProcessPoller(PollerProcess):
 @dataclass(frozen=True)
 class Watched:
     """A scenario run while an in-process tqmon watched it: its log and checkpoint dir as ``serve_args`` says,
-    and the live TQ. The simulator's report, and the snapshot tqmon had published at each whole second of the
-    run (wall time, snapshot), the last taken once tqmon has read what the run left."""
+    and the live TQ. The simulator's report, and the snapshots tqmon published (wall time, snapshot): at each
+    whole second of the run, once a poll saw the last TQ's final window, and once tqmon has read what the run
+    left."""
 
     workdir: Path
     report: SimReport
@@ -510,6 +511,7 @@ class Watched:
 
 WATCHED: dict[str, Watched] = {}  # one run per scenario and session, for every test that reads one
 SETTLE_SECONDS = 2.0  # after the run: ten polls of the log and the checkpoint dir
+TQ_FINAL_WAIT = 10.0  # for a TQ poll after the run (one a second at most), before the simulator closes the TQ
 
 
 def watched(name: str, tmp_path_factory: pytest.TempPathFactory, cluster: str) -> Watched:
@@ -538,12 +540,21 @@ def watched(name: str, tmp_path_factory: pytest.TempPathFactory, cluster: str) -
         while not stop.wait(1.0 - time.time() % 1.0):
             snapshots.append((time.time(), service.tracker.snapshot))
 
+    def done(_report: SimReport) -> None:
+        """The run is over and its last TQ still up: one snapshot once a poll saw that TQ's final window."""
+        ended = time.time()
+        while time.time() < ended + TQ_FINAL_WAIT and not any(
+            w.source == SourceName.TQ and w.observed_at > ended for w in service.tracker.snapshot.windows
+        ):
+            time.sleep(0.1)
+        snapshots.append((time.time(), service.tracker.snapshot))
+
     sampler = threading.Thread(target=sample, name="snapshot-sampler", daemon=True)
     service.start()
     tq.start()
     sampler.start()
     try:
-        report = run_scenario(SCENARIOS[name], workdir, seed=7)
+        report = run_scenario(SCENARIOS[name], workdir, seed=7, on_done=done)
         time.sleep(SETTLE_SECONDS)
     finally:
         stop.set()
@@ -552,7 +563,7 @@ def watched(name: str, tmp_path_factory: pytest.TempPathFactory, cluster: str) -
         poller.release()
         service.stop()
     snapshots.append((time.time(), service.tracker.snapshot))
-    WATCHED[name] = Watched(workdir, report, tuple(snapshots))
+    WATCHED[name] = Watched(workdir, report, tuple(sorted(snapshots, key=lambda taken: taken[0])))
     return WATCHED[name]
 
 
