@@ -405,6 +405,19 @@ def test_config_parameters_reach_the_rules() -> None:
     assert "http://g/d/tqmon-resume?" in text
 
 
+def test_each_alert_declares_its_condition_over_a_snapshot_or_why_only_prometheus_can_tell() -> None:
+    """The status page evaluates every alert but the two on Prometheus's own scrape health; a declaration without
+    either, or with both, is refused."""
+    declared = rules.alerts(rules.RuleConfig())
+    assert {a.name: a.prometheus_only for a in declared if a.check is None} == {
+        "TQMonDown": "Prometheus's own scrape health (up == 0)",
+        "TQMonAbsent": "Prometheus's own target list (absent(up))",
+    }
+    for check, why in ((None, ""), (declared[0].check, "both")):
+        with pytest.raises(ValueError, match="TQMonX: give either its condition in Python or why only Prometheus"):
+            rules.Alert("TQMonX", "up == 0", "5m", "warning", "summary", "description", check, why)
+
+
 def test_a_metric_missing_from_the_catalog_is_refused() -> None:
     with pytest.raises(KeyError, match="tqmon_no_such_metric"):
         rules._Selectors(rules.RuleConfig())("tqmon_no_such_metric")
