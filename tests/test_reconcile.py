@@ -400,3 +400,26 @@ def test_k_inferred_from_a_missing_re_issue_line_says_so_in_the_evidence() -> No
     reissue = ev("inflight_reissued", step=41, reissued_prompt_groups=0, cleared_trajectories=0)
     reported = fold([*events[:2], reissue, events[2]], given).records[-1]
     assert "inference" not in {e.source for e in reported.evidence}
+
+
+def test_the_trainer_progresses_when_a_step_moves_its_global_step_on() -> None:
+    """``trainer_stepped_at`` (the alerts' and the status page's "the trainer progresses") moves with a step that
+    changes the global step, from the log or the events; a repeated report of a step, a checkpoint dir read, a
+    resume going back to its checkpoint's step and any other event do not move it."""
+    state = Reconciler(GivenConfig("colocate_async", TrainerConfig(**T12), "flags"))
+
+    def apply(at: float, source: str, **event: Any) -> float | None:
+        state.apply(parse_event({"id": f"{source}:{at}", **event}), source, at)
+        return state.trainer_stepped_at
+
+    assert apply(100.0, "log", **ev("training_started", resumed_from_step=40)) is None  # a start is no step
+    assert apply(160.0, "log", **ev("step_completed", global_step=41)) == 160.0
+    assert apply(170.0, "jsonl", **ev("step_completed", global_step=41)) == 160.0  # the same step again
+    assert apply(175.0, "log", **ev("checkpoint_saved", step=41)) == 160.0  # saved where it stands
+    assert apply(180.0, "checkpoint", **saved(50).model_dump(mode="json")) == 160.0  # the dir: maybe another run
+    assert apply(190.0, "log", **ev("window_observed", by_status={"pending": 3})) == 160.0  # talking, not stepping
+    assert state.trainer_last_event == 190.0
+    assert apply(220.0, "events", **ev("checkpoint_saved", step=42)) == 220.0  # saved a step not seen completing
+    assert apply(300.0, "log", **ev("training_started", resumed_from_step=40)) == 220.0  # a resume goes back
+    assert state.trainer_step == 40
+    assert apply(330.0, "log", **ev("step_completed", global_step=41)) == 330.0  # and steps forward again

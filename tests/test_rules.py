@@ -58,8 +58,9 @@ COMPARED = ("restored", "target", "submitted", "window_after_warmup", "checkpoin
 
 
 def healthy() -> dict[str, str]:
-    """Resumed at t=0 from step 40: R=88 of T=96, warmup submits the expected 8, the trainer steps every
-    minute from 5m with a full window; sources are fresh (the push source last posted at t=0)."""
+    """Resumed at t=0 from step 40 (its last step before the preemption completed at -2m): R=88 of T=96, warmup
+    submits the expected 8, the trainer steps every minute from 5m with a full window; sources are fresh (the push
+    source last posted at t=0)."""
     series = {
         s("up"): "1x240",
         s("tqmon_build_info", version="0.1.0"): "1x240",
@@ -71,6 +72,7 @@ def healthy() -> dict[str, str]:
         s("tqmon_window_prompt_groups", partition="train", status="failure"): "0x240",
         s("tqmon_window_orphan_trajectories", partition="train"): "40x240",
         s("tqmon_trainer_global_step"): "40x4 41+1x235",
+        s("tqmon_trainer_last_step_timestamp_seconds"): "-120x4 300+60x235",
         s("tqmon_trainer_last_event_timestamp_seconds"): "0+60x240",
         s("tqmon_resume_restored_prompt_groups", status="pending"): "10x240",
         s("tqmon_resume_restored_prompt_groups", status="running"): "6x240",
@@ -97,11 +99,12 @@ def healthy() -> dict[str, str]:
 
 def warmup() -> dict[str, str]:
     """A resume whose warmup takes 20m: the window fills slowly from 40 to 96 by 14m (under-filled longer than
-    the alert's 10m, but the trainer is not stepping yet), the warmup decision is known from 2m, and the first
-    step lands at 21m."""
+    the alert's 10m, but the trainer's last step, 2m before the resume, counts as progress only until 8m), the
+    warmup decision is known from 2m, and the first step lands at 21m (the step stands for 23m, under stall_for)."""
     return healthy() | {
         s("tqmon_window_prompt_groups", partition="train", status="pending"): "8+4x14 64x225",
         s("tqmon_trainer_global_step"): "40x20 41+1x219",
+        s("tqmon_trainer_last_step_timestamp_seconds"): "-120x20 1260+60x219",
         s("tqmon_resume_under_submitted_prompt_groups"): "_x1 0x238",
         s("tqmon_resume_warmup_expected_prompt_groups"): "_x1 8x238",
         s("tqmon_resume_warmup_submitted_prompt_groups"): "_x1 8x238",
@@ -117,6 +120,7 @@ def idle() -> dict[str, str]:
         s("tqmon_last_resume_timestamp_seconds"): "-86400x240",
         s("tqmon_resume_under_submitted_prompt_groups"): "12x240",
         s("tqmon_trainer_global_step"): "120x240",
+        s("tqmon_trainer_last_step_timestamp_seconds"): "-3600x240",
         s("tqmon_trainer_last_event_timestamp_seconds"): "-3600x240",
         **{s("tqmon_window_prompt_groups", partition="train", status=st): "0x240" for st in ("pending", "running")},
         s("tqmon_window_prompt_groups", partition="train", status="finished"): "0x240",
@@ -282,7 +286,10 @@ CASES = [
     ),
     Case(
         "TQMonTrainerStalled",
-        {s("tqmon_trainer_global_step"): "40x4 41+1x15 56x40 57+1x180"},
+        {
+            s("tqmon_trainer_global_step"): "40x4 41+1x15 56x40 57+1x180",
+            s("tqmon_trainer_last_step_timestamp_seconds"): "-120x4 300+60x15 1200x40 3720+60x180",
+        },
         "54m",
         "55m",
         "65m",
@@ -436,6 +443,19 @@ def test_duration_seconds(duration: str, seconds: float) -> None:
 def test_duration_seconds_refuses_what_prometheus_would() -> None:
     with pytest.raises(ValueError, match="not a Prometheus duration: '10 minutes'"):
         rules.duration_seconds("10 minutes")
+
+
+def test_each_alert_declares_its_condition_over_a_snapshot_or_why_only_prometheus_can_tell() -> None:
+    """The status page evaluates every alert but the two on Prometheus's own scrape health; a declaration without
+    either, or with both, is refused."""
+    declared = rules.alerts(rules.RuleConfig())
+    assert {a.name: a.prometheus_only for a in declared if a.check is None} == {
+        "TQMonDown": "Prometheus's own scrape health (up == 0)",
+        "TQMonAbsent": "Prometheus's own target list (absent(up))",
+    }
+    for check, why in ((None, ""), (declared[0].check, "both")):
+        with pytest.raises(ValueError, match="TQMonX: give either its condition in Python or why only Prometheus"):
+            rules.Alert("TQMonX", "up == 0", "5m", "warning", "summary", "description", check, why)
 
 
 def test_a_metric_missing_from_the_catalog_is_refused() -> None:

@@ -31,6 +31,7 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
@@ -42,9 +43,21 @@ import pytest
 from click.testing import CliRunner
 
 from tests.conftest import TqmonProcess, sample_value
+from tqmon.service import Service, ServiceConfig
 from tqmon.sim.cli import sim
-from tqmon.sim.scenarios import CHECKPOINT_DIR, LOG_FILE, SCENARIOS, Scenario
+from tqmon.sim.scenarios import CHECKPOINT_DIR, LOG_FILE, SCENARIOS, Scenario, TrainerSettings
 from tqmon.sim.trainer import CONTROLLER, SimReport, run_scenario
+from tqmon.snapshot import Snapshot, SourceName
+from tqmon.sources.tq import (
+    ControllerClient,
+    PollBudget,
+    PollerProcess,
+    PollSettings,
+    Reading,
+    TQSource,
+    read_controller,
+)
+from tqmon.warmup import GivenConfig, TrainerConfig
 
 STATES = (
     "fresh_start",
@@ -458,6 +471,102 @@ def serve_args(workdir: Path, scenario: Scenario) -> list[str]:
     return [*sources, "--log-interval", "0.2", "--checkpoint-interval", "0.2", *scenario.after.tqmon_flags()]
 
 
+def told(settings: TrainerSettings) -> GivenConfig:
+    """The trainer config ``serve_args`` tells tqmon: the scenario's settings that are tqmon's trainer flags."""
+    given = {name: getattr(settings, name) for name in TrainerConfig.model_fields if hasattr(settings, name)}
+    flags = settings.tqmon_flags()  # an off switch is no flag
+    assert all("--" + name.replace("_", "-") in flags or value is False for name, value in given.items()), flags
+    return GivenConfig("colocate_async", TrainerConfig(**given), "flags")
+
+
+class InProcessPoller(PollerProcess):
+    """The TQ poller's reading done in this process, which is in the simulator's Ray already: the same
+    ``read_controller`` on the same ``ControllerClient``, without a child process to spawn for every run."""
+
+    def __init__(self, address: str, timeout: float) -> None:
+        super().__init__(address, timeout)
+        self._client = ControllerClient(address, timeout)
+
+    def read(self, kv_timeout: float) -> Reading:
+        return read_controller(self._client, kv_timeout)
+
+    def close(self) -> None:
+        """Nothing to interrupt: a read in flight ends within its timeout. ``release`` drops the client."""
+
+    def release(self) -> None:
+        self._client.close()
+
+
+@dataclass(frozen=True)
+class Watched:
+    """A scenario run while an in-process tqmon watched it: its log and checkpoint dir as ``serve_args`` says,
+    and the live TQ. The simulator's report, and the snapshots tqmon published (wall time, snapshot): at each
+    whole second of the run, once a poll saw the last TQ's final window, and once tqmon has read what the run
+    left."""
+
+    workdir: Path
+    report: SimReport
+    snapshots: tuple[tuple[float, Snapshot], ...]
+
+
+WATCHED: dict[str, Watched] = {}  # one run per scenario and session, for every test that reads one
+SETTLE_SECONDS = 2.0  # after the run: ten polls of the log and the checkpoint dir
+TQ_FINAL_WAIT = 10.0  # for a TQ poll after the run (one a second at most), before the simulator closes the TQ
+
+
+def watched(name: str, tmp_path_factory: pytest.TempPathFactory, cluster: str) -> Watched:
+    """The scenario run (seed 7) under a live in-process tqmon; run once a session, in ``cluster``."""
+    if name in WATCHED:
+        return WATCHED[name]
+    base = tmp_path_factory.mktemp(name)
+    workdir = base / "run"
+    config = ServiceConfig(
+        state_dir=base / "state",
+        log=(str(workdir / LOG_FILE),),
+        checkpoint_dir=workdir / CHECKPOINT_DIR,
+        log_interval=0.2,
+        checkpoint_interval=0.2,
+        trainer=told(SCENARIOS[name].after),
+        process_metrics=False,
+    )
+    service = Service(config)
+    poll = PollSettings(min_interval=0.5, max_interval=1.0)
+    poller = InProcessPoller(cluster, timeout=5.0)
+    tq = TQSource(service.tracker, poller, PollBudget(poll))
+    snapshots: list[tuple[float, Snapshot]] = []
+    stop = threading.Event()
+
+    def sample() -> None:
+        while not stop.wait(1.0 - time.time() % 1.0):
+            snapshots.append((time.time(), service.tracker.snapshot))
+
+    def done(_report: SimReport) -> None:
+        """The run is over and its last TQ still up: one snapshot once a poll saw that TQ's final window."""
+        ended = time.time()
+        while time.time() < ended + TQ_FINAL_WAIT and not any(
+            w.source == SourceName.TQ and w.observed_at > ended for w in service.tracker.snapshot.windows
+        ):
+            time.sleep(0.1)
+        snapshots.append((time.time(), service.tracker.snapshot))
+
+    sampler = threading.Thread(target=sample, name="snapshot-sampler", daemon=True)
+    service.start()
+    tq.start()
+    sampler.start()
+    try:
+        report = run_scenario(SCENARIOS[name], workdir, seed=7, on_done=done)
+        time.sleep(SETTLE_SECONDS)
+    finally:
+        stop.set()
+        sampler.join()
+        tq.stop()
+        poller.release()
+        service.stop()
+    snapshots.append((time.time(), service.tracker.snapshot))
+    WATCHED[name] = Watched(workdir, report, tuple(sorted(snapshots, key=lambda taken: taken[0])))
+    return WATCHED[name]
+
+
 def wait_for_series(tqmon: TqmonProcess, expected: Series, timeout: float = 20.0) -> None:
     """Poll ``/metrics`` until every series has its expected value (None: absent)."""
     deadline = time.monotonic() + timeout
@@ -535,11 +644,15 @@ def check_tqmon(workdir: Path, scenario: Scenario, expected: Expected, tqmon_fac
 
 
 @pytest.mark.parametrize("name", [n for n in SCENARIOS if n != "healthy-resume"])
-def test_scenario_end_to_end(name: str, cluster: str, tmp_path: Path, tqmon_factory: Any) -> None:
+def test_scenario_end_to_end(
+    name: str, cluster: str, tmp_path_factory: pytest.TempPathFactory, tqmon_factory: Any
+) -> None:
+    """The run (shared with tests/test_alert_agreement.py, which reads what the in-process tqmon saw) is checked
+    here by a fresh ``tqmon serve`` that reads the log and checkpoint dir it left."""
     scenario, expected = SCENARIOS[name], EXPECTED[name]
-    report: SimReport = run_scenario(scenario, tmp_path / "run", seed=7)
-    check_report(asdict(report), expected)
-    check_tqmon(tmp_path / "run", scenario, expected, tqmon_factory)
+    run = watched(name, tmp_path_factory, cluster)
+    check_report(asdict(run.report), expected)
+    check_tqmon(run.workdir, scenario, expected, tqmon_factory)
 
 
 def test_cli_runs_healthy_resume_and_holds_the_tq_until_sigterm(

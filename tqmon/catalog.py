@@ -360,6 +360,13 @@ CATALOG: tuple[MetricSpec, ...] = (
         "seconds",
     ),
     MetricSpec(
+        "tqmon_trainer_last_step_timestamp_seconds",
+        MetricType.GAUGE,
+        "When a completed or saved step last moved the trainer's global step on (any source): the trainer"
+        " progresses. A resume going back to its checkpoint's step is not a step.",
+        "seconds",
+    ),
+    MetricSpec(
         "tqmon_run_info",
         MetricType.INFO,
         "Identity of the monitored run.",

@@ -92,6 +92,7 @@ class Reconciler:
         self.resumes = 0
         self.trainer_step: int | None = None
         self.trainer_last_event: float | None = None
+        self.trainer_stepped_at: float | None = None  # when a completed or saved step last moved trainer_step on
         self.windows: dict[tuple[str, str], WindowView] = {}  # (source, partition) -> the newest seen
         self.plugin: PluginView | None = None  # the verl plugin's last reported state; None: it never said
         self.checkpoint: CheckpointView | None = None
@@ -162,6 +163,7 @@ class Reconciler:
         seen = min(at, received_at)
         self.trainer_last_event = seen if self.trainer_last_event is None else max(self.trainer_last_event, seen)
         self._event_time = trainer_time(event, source, received_at)
+        step_before = self.trainer_step
         evidence_of: Observed | None = None  # the start this event is evidence of
         if source == SourceName.LOG and (told := betrayed_by(event)) is not None:
             self._hear_version("log", told)
@@ -246,6 +248,9 @@ class Reconciler:
                 self.plugin = PluginView(event.window, event.reason, at)
                 if not self.plugin_reports:
                     self.drop_windows(SourceName.REPLAY_BUFFER)
+        if isinstance(event, StepCompleted | CheckpointSaved) and self.trainer_step != step_before:
+            # The trainer progresses (what the alerts and the status page read); a resume going back is not a step.
+            self.trainer_stepped_at = _latest(self.trainer_stepped_at, seen)
         if evidence_of is not None:
             evidence_of.evidence.append(Evidence(source, event.type, event.id, at, _describe(event)))
             self._rederive()

@@ -4,17 +4,25 @@
 ``deploy/prometheus/tqmon-rules.yml``, and a test fails when the committed file drifts. Every metric a rule
 names is looked up in the catalog here, so a renamed metric breaks the build instead of silently blinding
 an alert. Thresholds and selectors are fields of ``RuleConfig``.
+
+Each alert is declared once, in :func:`alerts`: its PromQL and, beside it, the same condition in Python over
+one snapshot (``check``), which the status page shows (:mod:`tqmon.conditions`); an alert no snapshot can
+decide says why (``prometheus_only``). tests/test_alert_agreement.py feeds every simulator scenario's
+exposition to promtool and proves both fire on the same snapshots.
 """
 
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
 import yaml
 
 from tqmon.catalog import BY_NAME
+from tqmon.snapshot import ResumeRecord, Snapshot
+from tqmon.warmup import TRAIN, WarmupState
 
 RESUME_DASHBOARD_UID = "tqmon-resume"
 FLEET_DASHBOARD_UID = "tqmon-fleet"
@@ -48,7 +56,7 @@ class RuleConfig:
     fill_ratio_threshold: float = _param(0.9, "Live window below this share of T reads under-filled.")
     under_filled_for: str = _param("10m", "How long the window must stay under-filled after a resume.")
     resume_window_seconds: int = _param(7200, "Resume alerts look only this long after the last start.")
-    progress_window: str = _param("10m", "The trainer is progressing if its step changed within this range.")
+    progress_window: str = _param("10m", "The trainer progresses if a step moved its global step on this recently.")
     over_fill_ratio_threshold: float = _param(1.0, "Live window above this share of T reads over target.")
     over_target_for: str = _param("30m", "How long the window must stay over target.")
     decision_for: str = _param("1m", "for: of the alerts on the warmup decision (its numbers settle in seconds).")
@@ -61,7 +69,8 @@ class RuleConfig:
     push_sources: tuple[str, ...] = _param(("events",), "Sources that succeed only when pushed to: never stale.")
     down_for: str = _param("5m", "for: of TQMonDown (up == 0).")
     absent_for: str = _param("15m", "for: of TQMonAbsent (no tqmon target at all).")
-    stall_for: str = _param("30m", "No step for 5m, continuously for this long, while the trainer talks.")
+    stall_window: str = _param("5m", "A global step standing this long while the trainer talks is a stall.")
+    stall_for: str = _param("30m", "How long the trainer must stay stalled.")
     trainer_active_seconds: int = _param(600, "The trainer counts as alive if heard from this recently.")
 
     def __post_init__(self) -> None:
@@ -106,9 +115,14 @@ def shortened(config: RuleConfig, factor: int) -> RuleConfig:
     return replace(config, **durations)
 
 
+Check = tuple[bool, str]  # whether an alert's condition holds in a snapshot, and the values behind that
+Predicate = Callable[[Snapshot, float, RuleConfig], Check]
+
+
 @dataclass(frozen=True, slots=True)
 class Alert:
-    """One alert in monitoring-mixin form; ``fleet`` alerts have no instance and link the fleet dashboard."""
+    """One alert in monitoring-mixin form and its condition over one snapshot at a time (``check``), or why only
+    Prometheus can tell (``prometheus_only``); ``fleet`` alerts have no instance and link the fleet dashboard."""
 
     name: str
     expr: str
@@ -116,7 +130,13 @@ class Alert:
     severity: str
     summary: str
     description: str
+    check: Predicate | None
+    prometheus_only: str = ""
     fleet: bool = False
+
+    def __post_init__(self) -> None:
+        if (self.check is None) == (not self.prometheus_only):
+            raise ValueError(f"{self.name}: give either its condition in Python or why only Prometheus can tell")
 
 
 class _Selectors:
@@ -136,7 +156,7 @@ def recording_rules(config: RuleConfig) -> list[dict[str, str]]:
     """Ratios and deficits the exporter does not pre-compute (see DESIGN §4), in evaluation order."""
     m = _Selectors(config)
     target = m("tqmon_window_target_prompt_groups")
-    train = m("tqmon_window_prompt_groups", "partition=" + _q("train"))
+    train = m("tqmon_window_prompt_groups", "partition=" + _q(TRAIN))
     rules = {
         WINDOW_TOTAL: f"sum without (partition, status) ({train})",
         FILL_RATIO: f"{WINDOW_TOTAL} / ({target} > 0)",
@@ -160,12 +180,171 @@ def _pct(share: float) -> str:
     return f"{share * 100:g}%"
 
 
+# ---------------------------------------------------------------- the conditions over one snapshot
+# Each reads the snapshot values the exporter turns into the series its alert's PromQL reads (the same
+# comparison, the same absent-means-silent), so the page and Prometheus agree on every snapshot.
+
+
+def _recent(snapshot: Snapshot, now: float, config: RuleConfig) -> ResumeRecord | None:
+    """The last start, if it is within the resume alerts' window (``recent`` in :func:`alerts`)."""
+    record = snapshot.last_record
+    if record is None or now - record.started_at >= config.resume_window_seconds:
+        return None
+    return record
+
+
+def _no_recent_start(snapshot: Snapshot) -> str:
+    return "no start observed" if snapshot.last_record is None else "last start is older than the resume window"
+
+
+def _progressing(snapshot: Snapshot, now: float, config: RuleConfig) -> Check:
+    """A step moved the global step on within the progress window (``progressing`` in :func:`alerts`)."""
+    stepped = snapshot.trainer_stepped_at
+    if stepped is None:
+        return False, "no step seen"
+    return now - stepped < duration_seconds(config.progress_window), f"last step {now - stepped:.0f}s ago"
+
+
+def _fill(snapshot: Snapshot, now: float) -> tuple[float | None, str]:
+    """The live train window over T (the recording rule ``tqmon:window_fill_ratio:ratio``)."""
+    train = snapshot.train_window(now)
+    if train is None:
+        return None, "no fresh live window"
+    if not snapshot.target_window:
+        return None, "no target window T"
+    ratio = train.total / snapshot.target_window
+    return ratio, f"window {train.total} of T {snapshot.target_window} ({ratio:.0%})"
+
+
+def _under_filled(snapshot: Snapshot, now: float, config: RuleConfig) -> Check:
+    ratio, detail = _fill(snapshot, now)
+    if ratio is None:
+        return False, detail
+    progressing, progress = _progressing(snapshot, now, config)
+    holds = ratio < config.fill_ratio_threshold and _recent(snapshot, now, config) is not None and progressing
+    return holds, f"{detail}, threshold {config.fill_ratio_threshold:.0%}; {progress}"
+
+
+def _over_target(snapshot: Snapshot, now: float, config: RuleConfig) -> Check:
+    ratio, detail = _fill(snapshot, now)
+    if ratio is None:
+        return False, detail
+    progressing, progress = _progressing(snapshot, now, config)
+    holds = ratio > config.over_fill_ratio_threshold and progressing
+    return holds, f"{detail}, threshold {config.over_fill_ratio_threshold:.0%}; {progress}"
+
+
+def _under_submitted(snapshot: Snapshot, now: float, config: RuleConfig) -> Check:
+    record = _recent(snapshot, now, config)
+    if record is None:
+        return False, _no_recent_start(snapshot)
+    if record.under_submitted is None:
+        return False, "deficit not known yet"
+    return record.under_submitted > 0, f"deficit {record.under_submitted}"
+
+
+def _over_submitted(snapshot: Snapshot, now: float, config: RuleConfig) -> Check:
+    record = _recent(snapshot, now, config)
+    if record is None:
+        return False, _no_recent_start(snapshot)
+    if record.submitted is None or record.expected is None:
+        return False, "warmup submission not known yet"
+    return record.submitted - record.expected > 0, f"submitted {record.submitted}, expected {record.expected}"
+
+
+def _in_state(state: WarmupState) -> Predicate:
+    """The last start, if recent, ended its warmup decision in ``state``."""
+
+    def check(snapshot: Snapshot, now: float, config: RuleConfig) -> Check:
+        record = _recent(snapshot, now, config)
+        if record is None:
+            return False, _no_recent_start(snapshot)
+        detail = f"warmup state {record.warmup_state}"
+        if record.warmup_state is WarmupState.LOST_WINDOW:
+            lost = record.cost.lost_prompt_groups
+            detail += f", {'unknown' if lost is None else lost} prompt groups lost"
+        return record.warmup_state is state, detail
+
+    return check
+
+
+def _doomed_high(snapshot: Snapshot, now: float, config: RuleConfig) -> Check:
+    record = _recent(snapshot, now, config)
+    if record is None:
+        return False, _no_recent_start(snapshot)
+    if record.doomed is None or not record.target:
+        return False, "doomed groups or T not known"
+    doomed = sum(record.doomed.values())
+    share = doomed / record.target
+    detail = f"doomed {doomed} of T {record.target} ({share:.0%})"
+    return share > config.doomed_share_threshold, f"{detail}, threshold {config.doomed_share_threshold:.0%}"
+
+
+def _stale(snapshot: Snapshot, now: float, config: RuleConfig) -> Check:
+    record = _recent(snapshot, now, config)
+    if record is None:
+        return False, _no_recent_start(snapshot)
+    stale = (record.doomed or {}).get("stale")
+    if stale is None:
+        return False, "stale groups not known (the series is absent)"
+    return stale > config.stale_groups_threshold, f"stale {stale}, tolerated {config.stale_groups_threshold}"
+
+
+def _orphans(snapshot: Snapshot, now: float, config: RuleConfig) -> Check:
+    train = snapshot.train_window(now)
+    if train is None or train.orphan_trajectories is None:
+        return False, "orphan trajectories not observed"
+    orphans = train.orphan_trajectories
+    return orphans > config.orphan_threshold, f"{orphans} orphans, threshold {config.orphan_threshold}"
+
+
+def _source_down(snapshot: Snapshot, now: float, _config: RuleConfig) -> Check:
+    down = [s.source for s in snapshot.sources if not s.up(now)]
+    return bool(down), f"down: {', '.join(down)}" if down else "every source is up"
+
+
+def _source_stale(snapshot: Snapshot, now: float, config: RuleConfig) -> Check:
+    stale = [
+        f"{s.source} ({now - s.last_success:.0f}s)"
+        for s in snapshot.sources
+        if s.source not in config.push_sources
+        and s.last_success is not None
+        and now - s.last_success > config.source_stale_seconds
+    ]
+    detail = f"no success for over {config.source_stale_seconds}s: {', '.join(stale)}" if stale else "none stale"
+    return bool(stale), detail
+
+
+def _stalled(snapshot: Snapshot, now: float, config: RuleConfig) -> Check:
+    """The global step stands while the trainer is heard from; Prometheus also wants it for ``stall_for``."""
+    if snapshot.trainer_step is None:
+        return False, "no global step observed"
+    stepped, heard = snapshot.trainer_stepped_at, snapshot.trainer_last_event
+    standing = stepped is None or now - stepped >= duration_seconds(config.stall_window)
+    talking = heard is not None and now - heard < config.trainer_active_seconds
+    since = "no step seen" if stepped is None else f"last step {now - stepped:.0f}s ago"
+    heard_detail = "never heard from" if heard is None else f"heard from {now - heard:.0f}s ago"
+    return standing and talking, f"global step {snapshot.trainer_step}, {since}; trainer {heard_detail}"
+
+
+def _disagree(snapshot: Snapshot, now: float, config: RuleConfig) -> Check:
+    record = _recent(snapshot, now, config)
+    if record is None:
+        return False, _no_recent_start(snapshot)
+    counts = record.disagreement_counts()  # what tqmon_resume_source_disagreements exports
+    if not any(counts.values()):
+        return False, "the sources agree"
+    return True, "; ".join(d.describe() for d in record.disagreements if counts.get(d.quantity))
+
+
 def alerts(config: RuleConfig) -> list[Alert]:
-    """The alerts, each silent on a healthy resume, during warmup and on an idle run (see tests/test_rules.py)."""
+    """The alerts, each silent on a healthy resume, during warmup and on an idle run (see tests/test_rules.py),
+    each with its condition over one snapshot: ``recent`` is :func:`_recent`, ``progressing`` :func:`_progressing`."""
     m = _Selectors(config)
     recent = f"(time() - {m('tqmon_last_resume_timestamp_seconds')}) < {config.resume_window_seconds}"
     resume_hours = f"{config.resume_window_seconds / 3600:g}h"
-    progressing = f"changes({m('tqmon_trainer_global_step')}[{config.progress_window}]) > 0"
+    stepped = m("tqmon_trainer_last_step_timestamp_seconds")
+    progressing = f"(time() - {stepped}) < {duration_seconds(config.progress_window):g}"
     step = m("tqmon_trainer_global_step")
     push = "|".join(config.push_sources)
     return [
@@ -178,6 +357,7 @@ def alerts(config: RuleConfig) -> list[Alert]:
             "The live prefetch window of {{ $labels.instance }} has held {{ $value | humanizePercentage }} of its"
             f" target for more than {config.under_filled_for} within {resume_hours} of the last resume, below"
             f" {_pct(config.fill_ratio_threshold)}, while the trainer keeps stepping: rollouts starve the trainer.",
+            _under_filled,
         ),
         Alert(
             "TQMonWarmupUnderSubmitted",
@@ -187,6 +367,7 @@ def alerts(config: RuleConfig) -> list[Alert]:
             "The warmup after the last resume left the window short of useful work.",
             "The last start of {{ $labels.instance }} left {{ $value }} prompt groups of useful work missing right"
             " after warmup (T - (R - doomed + M)): the first steps after the resume wait for fresh rollouts.",
+            _under_submitted,
         ),
         Alert(
             "TQMonWarmupOverSubmitted",
@@ -197,6 +378,7 @@ def alerts(config: RuleConfig) -> list[Alert]:
             "The warmup after the last resume submitted more prompts than the window needed.",
             "The last warmup of {{ $labels.instance }} submitted {{ $value }} prompt groups more than"
             " max(0, T - R): the window is over-filled and its oldest prompts drift off-policy.",
+            _over_submitted,
         ),
         Alert(
             "TQMonLegacyUnconditionalWarmup",
@@ -207,6 +389,7 @@ def alerts(config: RuleConfig) -> list[Alert]:
             "The trainer resumed with verl 0.9.0's unconditional warmup.",
             "{{ $labels.instance }} resumed with the legacy verl 0.9.0 warmup, which submits num_warmup_batches"
             " whole batches on top of the restored prompt groups: the window grows by T on every resume.",
+            _in_state(WarmupState.LEGACY_UNCONDITIONAL),
         ),
         Alert(
             "TQMonWindowOverTarget",
@@ -217,6 +400,7 @@ def alerts(config: RuleConfig) -> list[Alert]:
             "The live prefetch window of {{ $labels.instance }} has held {{ $value | humanizePercentage }} of its"
             f" target for more than {config.over_target_for} while the trainer keeps stepping: over-restored"
             " prompt groups are never trimmed and age off-policy.",
+            _over_target,
         ),
         Alert(
             "TQMonDoomedRestoredGroupsHigh",
@@ -228,6 +412,7 @@ def alerts(config: RuleConfig) -> list[Alert]:
             "The first sample after the last start of {{ $labels.instance }} evicts doomed restored prompt groups"
             " worth {{ $value | humanizePercentage }} of the target window (threshold"
             f" {_pct(config.doomed_share_threshold)}); their work is lost and they are refilled a step late.",
+            _doomed_high,
         ),
         Alert(
             "TQMonStaleRestoredGroups",
@@ -238,6 +423,7 @@ def alerts(config: RuleConfig) -> list[Alert]:
             "Restored prompt groups are too old for the off-policy threshold.",
             "{{ $value }} finished prompt groups restored by {{ $labels.instance }} exceed max_off_policy_threshold"
             " at the first step after the resume and are evicted unused.",
+            _stale,
         ),
         Alert(
             "TQMonOrphanTrajectoriesPilingUp",
@@ -248,6 +434,7 @@ def alerts(config: RuleConfig) -> list[Alert]:
             "{{ $labels.instance }} sees {{ $value }} trajectory keys without a prompt key in partition"
             f" {{{{ $labels.partition }}}} (threshold {config.orphan_threshold}): nothing clears them and every"
             " resume adds the last trained batch's.",
+            _orphans,
         ),
         Alert(
             "TQMonSourceDown",
@@ -257,6 +444,7 @@ def alerts(config: RuleConfig) -> list[Alert]:
             "A tqmon source is down.",
             "Source {{ $labels.source }} of {{ $labels.instance }} has been down for more than"
             f" {config.source_for}: its series are dropped and the verdicts rest on the other sources.",
+            _source_down,
         ),
         Alert(
             "TQMonSourceStale",
@@ -267,6 +455,7 @@ def alerts(config: RuleConfig) -> list[Alert]:
             "A tqmon source has not succeeded for a long time.",
             "Source {{ $labels.source }} of {{ $labels.instance }} last succeeded {{ $value | humanizeDuration }}"
             f" ago (threshold {config.source_stale_seconds}s).",
+            _source_stale,
         ),
         Alert(
             "TQMonDown",
@@ -276,6 +465,8 @@ def alerts(config: RuleConfig) -> list[Alert]:
             "Prometheus cannot scrape tqmon.",
             "Prometheus has failed to scrape tqmon at {{ $labels.instance }} (job {{ $labels.job }}) for more than"
             f" {config.down_for}: no window or resume alert can fire for this run.",
+            None,
+            "Prometheus's own scrape health (up == 0)",
         ),
         Alert(
             "TQMonAbsent",
@@ -285,17 +476,20 @@ def alerts(config: RuleConfig) -> list[Alert]:
             "No tqmon target is scraped.",
             "Prometheus has had no tqmon target of job {{ $labels.job }} for more than"
             f" {config.absent_for}: every other TQMon alert is blind.",
+            None,
+            "Prometheus's own target list (absent(up))",
             fleet=True,
         ),
         Alert(
             "TQMonTrainerStalled",
-            f"{step}\nunless changes({step}[5m]) > 0"
+            f"{step}\nunless (time() - {stepped}) < {duration_seconds(config.stall_window):g}"
             f"\nand (time() - {m('tqmon_trainer_last_event_timestamp_seconds')}) < {config.trainer_active_seconds}",
             config.stall_for,
             "warning",
             "The trainer is alive but its global step does not advance.",
             "The trainer watched by {{ $labels.instance }} still reports but has been stuck at global step"
             f" {{{{ $value }}}} for more than {config.stall_for}: rollouts are not completing.",
+            _stalled,
         ),
         Alert(
             "TQMonResumeSourcesDisagree",
@@ -306,6 +500,7 @@ def alerts(config: RuleConfig) -> list[Alert]:
             "{{ $labels.instance }} heard {{ $labels.quantity }} of the last start differently from its sources"
             " ({{ $value }} disagreement(s)), beyond a poll during mutation: one of them is wrong (a trainer bug,"
             " another checkpoint than tqmon thinks, or a config tqmon was not told).",
+            _disagree,
         ),
         Alert(
             "TQMonResumeLostWindow",
@@ -315,6 +510,7 @@ def alerts(config: RuleConfig) -> list[Alert]:
             "The last resume lost its TransferQueue window.",
             "{{ $labels.instance }} resumed from a checkpoint without transfer_queue/: the saved prefetch window"
             " (tqmon_resume_lost_prompt_groups) was not restored and the warmup regenerated it from scratch.",
+            _in_state(WarmupState.LOST_WINDOW),
         ),
     ]
 

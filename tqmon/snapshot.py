@@ -118,6 +118,11 @@ class ResumeRecord:
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
 
+    def disagreement_counts(self) -> dict[str, int]:
+        """Each quantity compared, with the disagreements found on it (0: agreed); one never compared has no
+        verdict. A quantity stays once compared, so its count falls back rather than vanishes."""
+        return {q: sum(d.quantity == q for d in self.disagreements) for q in self.compared}
+
 
 @dataclass(frozen=True, slots=True)
 class RunInfo:
@@ -260,6 +265,7 @@ class Snapshot:
     windows: tuple[WindowView, ...]  # the newest of each (source, partition); see fresh_windows
     trainer_step: int | None
     trainer_last_event: float | None
+    trainer_stepped_at: float | None  # when a completed or saved step last moved trainer_step on: progress
     trainer_step_seconds: float | None  # mean duration of the last steps (verl timing_s/step)
     resumes_total: int
     records_total: int

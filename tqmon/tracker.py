@@ -329,6 +329,7 @@ class Tracker:
             windows=tuple(state.windows.values()),
             trainer_step=state.trainer_step,
             trainer_last_event=state.trainer_last_event,
+            trainer_stepped_at=state.trainer_stepped_at,
             trainer_step_seconds=state.step_seconds,
             resumes_total=state.resumes + self._pruned_resumes,
             records_total=len(state.records),

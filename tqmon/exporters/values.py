@@ -5,12 +5,11 @@ Known-empty values are exported as 0; values no source has established are omitt
 
 from __future__ import annotations
 
-from collections import Counter
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 
 from tqmon.catalog import BY_NAME, OTLP_SIGNALS, STATE_WRITE_FAILURE_REASONS, MetricSpec
-from tqmon.snapshot import TALLY_OWNERS, ResumeRecord, Snapshot, Tally
+from tqmon.snapshot import TALLY_OWNERS, Snapshot, Tally
 from tqmon.warmup import PROMPT_STATUSES
 
 Labels = tuple[str, ...]
@@ -53,15 +52,6 @@ def _opt(value: float | None) -> list[Series]:
     return [] if value is None else [Series((), value)]
 
 
-def _disagreements(record: ResumeRecord) -> list[Series]:
-    """Each quantity the start's claims were compared on, 0 where they agree; one never compared has no verdict.
-
-    A record keeps a quantity once compared, so an alert sees its count fall back rather than vanish.
-    """
-    found = Counter(d.quantity for d in record.disagreements)
-    return [Series((quantity,), found[quantity]) for quantity in record.compared]
-
-
 def _counter(spec: MetricSpec, snapshot: Snapshot, sources: tuple[str, ...]) -> list[Series]:
     """All label combinations of a closed-set counter, so an absent error reads 0 rather than no data."""
     observed = snapshot.counters.get(TALLIES[spec.name], {})
@@ -100,6 +90,7 @@ def metric_values(snapshot: Snapshot, now: float) -> Iterator[tuple[MetricSpec, 
         "tqmon_trainer_global_step": _opt(snapshot.trainer_step),
         "tqmon_trainer_step_duration_seconds": _opt(snapshot.trainer_step_seconds),
         "tqmon_trainer_last_event_timestamp_seconds": _opt(snapshot.trainer_last_event),
+        "tqmon_trainer_last_step_timestamp_seconds": _opt(snapshot.trainer_stepped_at),
         "tqmon_build_info": [Series((snapshot.version,), 1)],
         "tqmon_source_up": [Series((s.source,), float(s.up(now))) for s in snapshot.sources],
         "tqmon_source_last_success_timestamp_seconds": [
@@ -138,7 +129,7 @@ def metric_values(snapshot: Snapshot, now: float) -> Iterator[tuple[MetricSpec, 
             ],
             "tqmon_resume_first_step_generation_wait_seconds": _opt(record.first_step_generation_wait_seconds),
             "tqmon_resume_warmup_state": _stateset(BY_NAME["tqmon_resume_warmup_state"], record.warmup_state),
-            "tqmon_resume_source_disagreements": _disagreements(record),
+            "tqmon_resume_source_disagreements": [Series((q,), n) for q, n in record.disagreement_counts().items()],
             "tqmon_resume_lost_steps": _opt(record.cost.steps_lost),
             "tqmon_resume_downtime_seconds": _opt(record.cost.downtime_seconds),
             "tqmon_resume_time_to_first_step_seconds": _opt(record.cost.time_to_first_step_seconds),
