@@ -138,7 +138,7 @@ def test_numpy_scalar_metrics_are_what_verls_float_reads(tmp_path: Path) -> None
 
     Each dtype is first pickled where the walk skips (trajectory 0 is not wanted), so the metric's scalars refer
     back to it; "same" holds the very scalar object of "acc", pickled as a back-reference to it."""
-    metrics = [
+    metrics: list[Any] = [
         np.float64(0.1),
         np.float32(0.1),  # 0.10000000149011612: the float32's own value, as float() gives it
         np.float16(0.1),
