@@ -159,20 +159,37 @@ def round_to(kind: str, value: float) -> float:
     return float(struct.unpack("<f", struct.pack("<I", bits))[0])
 
 
+# Per record of a legacy ``torch.save`` (magic, protocol, system info, storage, keys), the last one that passed
+# the pre-scan: the first three are the same bytes in every tensor, so they are scanned once, not per tensor.
+_SCANNED: list[bytes] = [b""] * 5
+MAX_SCANNED_RECORD = 4096  # bytes of a record remembered there
+
+
+def _prescan(data: bytes, stream: io.BytesIO, position: int) -> None:
+    """The controller state's pre-scan on the record at the stream's position, which is left where it was: CPython's
+    unpickler trusts sizes (a 14-byte record storing into memo slot 2**25 sizes its memo array to 512 MiB)."""
+    start = stream.tell()
+    known = _SCANNED[position]
+    if known and data.startswith(known, start):  # the unpickler reads exactly these bytes, up to their STOP
+        return
+    try:
+        scan(stream, len(data) - start)
+    except PickleRefused as err:
+        message = f"torch storage record refused before unpickling ({err.reason}): {err}"
+        raise CheckpointError("invalid_data", message) from None
+    if stream.tell() - start <= MAX_SCANNED_RECORD:
+        _SCANNED[position] = data[start : stream.tell()]
+    stream.seek(start)
+
+
 def decode_storage(data: object) -> DecodedStorage:
     """Stands in for ``torch.storage._load_from_bytes``: the legacy ``torch.save`` of one storage."""
     if not isinstance(data, bytes):
         raise CheckpointError("invalid_data", f"torch storage payload is {type(data).__name__}, not bytes")
     stream = io.BytesIO(data)
 
-    def record() -> Any:
-        start = stream.tell()
-        try:  # the controller state's pre-scan: a 14-byte record can size CPython's memo to 512 MiB
-            scan(stream, len(data) - start)
-        except PickleRefused as err:
-            message = f"torch storage record refused before unpickling ({err.reason}): {err}"
-            raise CheckpointError("invalid_data", message) from None
-        stream.seek(start)
+    def record(position: int) -> Any:
+        _prescan(data, stream, position)
         try:
             return _StorageRecordUnpickler(stream).load()
         except CheckpointError:
@@ -180,13 +197,13 @@ def decode_storage(data: object) -> DecodedStorage:
         except Exception as err:  # EOFError, UnpicklingError, ... from a payload that is not torch's
             raise CheckpointError("invalid_data", f"torch storage payload: {type(err).__name__}: {err}") from None
 
-    if record() != TORCH_MAGIC or record() != TORCH_PROTOCOL:
+    if record(0) != TORCH_MAGIC or record(1) != TORCH_PROTOCOL:
         raise CheckpointError("invalid_data", "torch storage payload is not a legacy torch.save")
-    info = record()
+    info = record(2)
     if not isinstance(info, dict) or info.get("little_endian") is not True:
         raise CheckpointError("invalid_data", "torch storage payload is not little-endian")
-    pid = record()
-    keys = record()
+    pid = record(3)
+    keys = record(4)
     if not isinstance(pid, tuple) or keys != [pid[2]]:
         raise CheckpointError("invalid_data", "torch storage payload does not hold exactly one storage")
     size = STORAGE_CODES[pid[1]][1]
