@@ -444,8 +444,6 @@ class SelectiveWalker:
         stack, modes = self.stack, self.modes
         if p == 0:
             return self._spec
-        if any(_built_anywhere(stack[q]) for q in range(max(0, p - 3), p)):  # see _built_anywhere
-            return KEEP
         mode: Mode = SKIP
         if marks and (m := self.marks[marks - 1]) <= p:
             if m == 0:
@@ -468,9 +466,12 @@ class SelectiveWalker:
         below = stack[p - 1]
         if isinstance(below, list) and (not marks or self.marks[marks - 1] < p):
             mode = _stronger(mode, KEEP if modes[p - 1] is KEEP else SKIP)
-        for q in range(max(0, p - 3), p):  # an argument of a callable waiting for TUPLE1/2/3 (or a mark group)
-            if isinstance(stack[q], Global) or callable(stack[q]):
-                mode = _stronger(mode, modes[q])
+        if isinstance(below, Global) or callable(below):  # an argument of a callable
+            if below is numpy_dtype or below is numpy_scalar:
+                return KEEP  # see _built_anywhere
+            mode = _stronger(mode, modes[p - 1])
+        elif isinstance(below, NumpyDtype) and (below.byteorder is None or (p >= 2 and stack[p - 2] is numpy_scalar)):
+            return KEEP  # a dtype's state, or a scalar's bytes after its dtype
         return mode
 
     def _next_mode(self) -> Mode:
