@@ -18,7 +18,8 @@ run side by side on the same checkpoint:
 - ``+ reward, unscanned``: the same without the pickle pre-scan of each tensor's small torch records (the child
   replaces ``storage._prescan`` with a no-op): what the pre-scan costs.
 
-Each mode is read ``--repeat`` times, the modes in turn, and the medians are shown.
+Each mode is read ``--repeat`` times, the modes in turn, and the medians are shown; the read's CPU time is
+shown next to its wall time, since on a loaded machine it is the steadier of the two.
 
 Ctrl-C (or any error) still closes TQ and shuts Ray down.
 """
@@ -52,12 +53,13 @@ from tqmon.checkpoint import storage
 from tqmon.checkpoint.layout import read_checkpoint
 if sys.argv[3] == "unscanned":
     storage._prescan = lambda *args: None
-started = time.perf_counter()
+started, cpu = time.perf_counter(), time.process_time()
 reading = read_checkpoint(Path(sys.argv[1]), filter_metric=sys.argv[2] or None)
-seconds = time.perf_counter() - started
+seconds, cpu = time.perf_counter() - started, time.process_time() - cpu
 v = reading.filter_verdicts
 print(json.dumps({
     "seconds": seconds,
+    "cpu": cpu,
     "rss": int(re.search(r"VmHWM:\\s+(\\d+) kB", open("/proc/self/status").read())[1]) * 1024,
     "restored": reading.composition.restored,
     "filtered": None if v is None else sum(v.filtered.values()),
@@ -163,7 +165,7 @@ def medians(root: Path, repeat: int) -> dict[str, dict[str, Any]]:
         for label, metric, scanned in MODES:
             runs[label].append(read(root, metric, scanned))
     return {
-        label: results[0] | {key: statistics.median(r[key] for r in results) for key in ("seconds", "rss")}
+        label: results[0] | {key: statistics.median(r[key] for r in results) for key in ("seconds", "cpu", "rss")}
         for label, results in runs.items()
     }
 
@@ -200,18 +202,20 @@ def main() -> None:
                         label,
                         f"{controller / 2**20:.1f}" + ("" if not metric else f" + {storage / 2**20:.0f}"),
                         f"{result['seconds']:.2f}",
-                        f"{result['seconds'] / base['seconds']:.1f}x",
+                        f"{result['cpu']:.2f}",
+                        f"{result['cpu'] / base['cpu']:.1f}x",
                         f"{result['rss'] / 2**20:.0f}",
                         f"{result['rss'] / base['rss']:.2f}x",
                         "-" if not metric else str(result["filtered"]),
                     ]
                 )
-            scanned, unscanned = results["+ reward"]["seconds"], results["+ reward, unscanned"]["seconds"]
+            scanned, unscanned = results["+ reward"]["cpu"], results["+ reward, unscanned"]["cpu"]
             costs.append(
-                f"{size:,} groups: + reward {scanned:.2f} s with the torch records pre-scanned, "
-                f"{unscanned:.2f} s without: {scanned / unscanned:.2f}x"
+                f"{size:,} groups: + reward {scanned:.2f} CPU s with the torch records pre-scanned, "
+                f"{unscanned:.2f} CPU s without: {scanned / unscanned:.2f}x"
             )
-    header = ["groups", "read", "MiB read", "seconds", "vs controller", "peak RSS MiB", "vs controller", "filtered"]
+    header = ["groups", "read", "MiB read", "seconds", "CPU s", "CPU vs controller", "peak RSS MiB", "vs controller"]
+    header += ["filtered"]
     print()
     title = f"checkpoint read, n={args.n} trajectories per finished group, medians of {args.repeat} reads"
     print(table(title, header, rows))
