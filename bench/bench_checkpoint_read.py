@@ -214,8 +214,8 @@ def main() -> None:
                 f"{size:,} groups: + reward {scanned:.2f} CPU s with the torch records pre-scanned, "
                 f"{unscanned:.2f} CPU s without: {scanned / unscanned:.2f}x"
             )
-    header = ["groups", "read", "MiB read", "seconds", "CPU s", "CPU vs controller", "peak RSS MiB", "vs controller"]
-    header += ["filtered"]
+    memory = ["peak RSS MiB", "vs controller", "filtered"]
+    header = ["groups", "read", "MiB read", "seconds", "CPU s", "CPU vs controller", *memory]
     print()
     title = f"checkpoint read, n={args.n} trajectories per finished group, medians of {args.repeat} reads"
     print(table(title, header, rows))
