@@ -14,7 +14,12 @@ run side by side on the same checkpoint:
 
 - ``controller``: ``read_checkpoint`` without a metric, what tqmon read before (``controller_state.pkl``);
 - ``+ acc``: the same with ``algorithm.filter_groups.metric=acc`` (``extra_fields.reward_extra_info``);
-- ``+ reward``: with the metric ``reward`` (``rm_scores`` tensors, decoded from their bytes).
+- ``+ reward``: with the metric ``reward`` (``rm_scores`` tensors, decoded from their bytes);
+- ``+ reward, unscanned``: the same without the pickle pre-scan of each tensor's small torch records (the child
+  replaces ``storage._prescan`` with a no-op): what the pre-scan costs.
+
+Each mode is read ``--repeat`` times, the modes in turn, and the medians are shown; the read's CPU time is
+shown next to its wall time, since on a loaded machine it is the steadier of the two.
 
 Ctrl-C (or any error) still closes TQ and shuts Ray down.
 """
@@ -24,6 +29,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -43,13 +49,17 @@ RESPONSE_LEN = 32  # tokens per response, +0..6 so that rows are ragged
 READ = """
 import json, re, sys, time
 from pathlib import Path
+from tqmon.checkpoint import storage
 from tqmon.checkpoint.layout import read_checkpoint
-started = time.perf_counter()
+if sys.argv[3] == "unscanned":
+    storage._prescan = lambda *args: None
+started, cpu = time.perf_counter(), time.process_time()
 reading = read_checkpoint(Path(sys.argv[1]), filter_metric=sys.argv[2] or None)
-seconds = time.perf_counter() - started
+seconds, cpu = time.perf_counter() - started, time.process_time() - cpu
 v = reading.filter_verdicts
 print(json.dumps({
     "seconds": seconds,
+    "cpu": cpu,
     "rss": int(re.search(r"VmHWM:\\s+(\\d+) kB", open("/proc/self/status").read())[1]) * 1024,
     "restored": reading.composition.restored,
     "filtered": None if v is None else sum(v.filtered.values()),
@@ -132,11 +142,32 @@ def save(root: Path, size: int, n: int) -> int:
         ray.shutdown()
 
 
-def read(root: Path, metric: str) -> dict[str, Any]:
+# (row label, filter metric, whether the torch records are pre-scanned)
+MODES = (
+    ("controller", "", True),
+    ("+ acc", "acc", True),
+    ("+ reward", "reward", True),
+    ("+ reward, unscanned", "reward", False),
+)
+
+
+def read(root: Path, metric: str, scanned: bool) -> dict[str, Any]:
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)}
-    command = [sys.executable, "-c", READ, str(root), metric]
+    command = [sys.executable, "-c", READ, str(root), metric, "scanned" if scanned else "unscanned"]
     out = subprocess.run(command, capture_output=True, text=True, env=env, check=True)
     return json.loads(out.stdout)  # type: ignore[no-any-return]
+
+
+def medians(root: Path, repeat: int) -> dict[str, dict[str, Any]]:
+    """Each mode read ``repeat`` times, the modes in turn (so load drifts hit all alike); medians of time and RSS."""
+    runs: dict[str, list[dict[str, Any]]] = {label: [] for label, _, _ in MODES}
+    for _ in range(repeat):
+        for label, metric, scanned in MODES:
+            runs[label].append(read(root, metric, scanned))
+    return {
+        label: results[0] | {key: statistics.median(r[key] for r in results) for key in ("seconds", "cpu", "rss")}
+        for label, results in runs.items()
+    }
 
 
 def size_of(path: Path) -> int:
@@ -147,8 +178,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--sizes", default=",".join(map(str, DEFAULT_SIZES)), help="prompt groups per checkpoint")
     parser.add_argument("--n", type=int, default=4, help="trajectories per finished group (rollout.n)")
+    parser.add_argument("--repeat", type=int, default=3, help="reads of each mode (medians are shown)")
     args = parser.parse_args()
     rows: list[list[str]] = []
+    costs: list[str] = []
     for size in (int(s) for s in args.sizes.split(",")):
         with tempfile.TemporaryDirectory(prefix="tqmon-bench-ckpt-") as tmp:
             root = Path(tmp)
@@ -157,26 +190,36 @@ def main() -> None:
             tq_dir = root / f"global_step_{STEP}" / "transfer_queue"
             controller = (tq_dir / "controller_state.pkl").stat().st_size
             storage = size_of(tq_dir / "simple_storage")
-            base = read(root, "")
-            for metric in ("", "acc", "reward"):
-                result = base if not metric else read(root, metric)
+            results = medians(root, args.repeat)
+            base = results["controller"]
+            for label, metric, _ in MODES:
+                result = results[label]
                 assert result["error"] is None, result["error"]
                 assert metric == "" or result["filtered"] == zero, (result, zero)
                 rows.append(
                     [
                         f"{size:,}",
-                        "controller" if not metric else f"+ {metric}",
+                        label,
                         f"{controller / 2**20:.1f}" + ("" if not metric else f" + {storage / 2**20:.0f}"),
                         f"{result['seconds']:.2f}",
-                        f"{result['seconds'] / base['seconds']:.1f}x",
+                        f"{result['cpu']:.2f}",
+                        f"{result['cpu'] / base['cpu']:.1f}x",
                         f"{result['rss'] / 2**20:.0f}",
                         f"{result['rss'] / base['rss']:.2f}x",
                         "-" if not metric else str(result["filtered"]),
                     ]
                 )
-    header = ["groups", "read", "MiB read", "seconds", "vs controller", "peak RSS MiB", "vs controller", "filtered"]
+            scanned, unscanned = results["+ reward"]["cpu"], results["+ reward, unscanned"]["cpu"]
+            costs.append(
+                f"{size:,} groups: + reward {scanned:.2f} CPU s with the torch records pre-scanned, "
+                f"{unscanned:.2f} CPU s without: {scanned / unscanned:.2f}x"
+            )
+    memory = ["peak RSS MiB", "vs controller", "filtered"]
+    header = ["groups", "read", "MiB read", "seconds", "CPU s", "CPU vs controller", *memory]
     print()
-    print(table(f"checkpoint read, n={args.n} trajectories per finished group", header, rows))
+    title = f"checkpoint read, n={args.n} trajectories per finished group, medians of {args.repeat} reads"
+    print(table(title, header, rows))
+    print("pre-scan of the torch records inside each tensor:", *costs, sep="\n  ")
 
 
 if __name__ == "__main__":

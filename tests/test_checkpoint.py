@@ -20,12 +20,14 @@ import shutil
 import subprocess
 import sys
 import time
+import tracemalloc
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import httpx
+import numpy as np
 import pytest
 from click.testing import CliRunner
 from prometheus_client.parser import text_string_to_metric_families
@@ -74,10 +76,43 @@ def prompt_fields(n: int) -> Any:
     return batch(n, input_ids=(4, torch.int64), attention_mask=(4, torch.int64))
 
 
-def trajectory_fields(n: int) -> Any:
-    import torch
+# DAPO metric "acc" of each finished group's two trajectories, as numpy scalars (reward functions return them):
+# verl 0.9.1 filters a group when np.std of float() of its values is 0.
+ACC: dict[str, tuple[np.floating[Any], np.floating[Any]]] = {
+    P[5]: (np.float64(0.5), np.float32(0.5)),  # equal as float() reads them: zero variance
+    P[6]: (np.float64(0.1), np.float32(0.1)),  # the float32 reads 0.10000000149011612: kept
+    P[7]: (np.float32(0.1), np.float32(0.1)),  # zero variance
+    P[8]: (np.float64(1.0), np.float64(0.0)),
+    P[9]: (np.float64(0.25), np.float64(0.25)),  # zero variance
+    P[10]: (np.float32(0.3), np.float64(0.3)),
+    P[11]: (np.float32(1.0), np.float64(1.0)),  # zero variance
+    P[12]: (np.float64(0.0), np.float32(0.0)),  # zero variance, stale first (g 37)
+    P[13]: (np.float64(0.7), np.float64(0.7)),  # zero variance, stale first
+    P[14]: (np.float32(0.2), np.float64(0.2)),
+    P[15]: (np.float64(0.5), np.float64(0.5)),  # zero variance, stale first (g 30)
+}
 
-    return batch(n, responses=(3, torch.int64), rm_scores=(3, torch.bfloat16), response_mask=(3, torch.bool))
+
+def trajectory_fields(keys: list[str]) -> Any:
+    """verl's trajectory fields, built as its agent loop builds them (``list_of_dict_to_tensordict``)."""
+    import torch
+    from verl.utils.tensordict_utils import list_of_dict_to_tensordict
+
+    rows = [
+        {
+            "responses": torch.ones(3, dtype=torch.int64),
+            "rm_scores": torch.ones(3, dtype=torch.bfloat16),
+            "response_mask": torch.ones(3, dtype=torch.bool),
+            "extra_fields": {"reward_extra_info": {"acc": acc(key)}},
+        }
+        for key in keys
+    ]
+    return list_of_dict_to_tensordict(rows)
+
+
+def acc(key: str) -> np.floating[Any]:
+    uid, _, index = key.split("_")
+    return ACC.get(uid, (np.float64(0.0), np.float64(0.0)))[int(index)]
 
 
 def put_prompts(tq: Any, keys: list[str], g: int, status: str) -> None:
@@ -91,7 +126,7 @@ def put_prompts(tq: Any, keys: list[str], g: int, status: str) -> None:
 def put_trajectories(tq: Any, keys: list[str], g: int) -> None:
     tags = [trajectory_tag(g, g, g + 1) for _ in keys]
     tags[0] = tags[0] | {"is_prompt": False}  # an explicit False counts as a trajectory too
-    tq.kv_batch_put(keys=keys, partition_id="train", tags=tags, fields=trajectory_fields(len(keys)))
+    tq.kv_batch_put(keys=keys, partition_id="train", tags=tags, fields=trajectory_fields(keys))
 
 
 @pytest.fixture(scope="module")
@@ -963,7 +998,8 @@ def test_loaded_checkpoint_without_a_named_folder_and_a_missing_one(root: Path) 
 # ---------------------------------------------------------------- DAPO verdicts from the storage units
 # Every trajectory above has rm_scores = three bfloat16 ones, so each finished group's "reward" (the summed
 # rm_scores) is 3.0 on both trajectories: zero variance. At step 41 with threshold 4, the 4 groups with
-# g <= 37 are stale first; the other 7 finished groups are filtered. The trajectories carry no extra_fields.
+# g <= 37 are stale first; the other 7 finished groups are filtered. Their metric "acc" (numpy scalars, ACC)
+# has zero variance in 7 groups, 3 of them stale: 4 are filtered.
 
 
 def test_inspect_predicts_filtered_groups_from_the_storage_units(saved: dict[str, Any]) -> None:
@@ -999,14 +1035,126 @@ def test_inspect_reports_progress_walking_large_storage_units(
     assert json.loads(result.stdout)["dapo"]["zero_variance"] == 11  # the bars never reach stdout
 
 
+def test_inspect_predicts_filtered_groups_from_numpy_scalar_metrics(saved: dict[str, Any]) -> None:
+    """verl reads float() of each np.float64/np.float32 "acc": no crash, and the float32 values as they are."""
+    zero = {uid for uid, values in ACC.items() if float(np.std([float(v) for v in values])) == 0.0}  # verl's test
+    assert zero == {P[5], P[7], P[9], P[11], P[12], P[13], P[15]}
+    args = [str(saved["root"]), *CONFIG_FLAGS, "--max-off-policy-threshold", "4", "--filter-groups"]
+    data = inspect_json(*args, "--filter-groups-metric", "acc")
+    assert data["doomed"] == {"failure": 4, "stale": 4, "filtered": 4}
+    assert (data["useful_after_warmup"], data["under_submitted"], data["under_submitted_is_lower_bound"]) == (
+        12,
+        12,
+        False,
+    )
+    dapo = data["dapo"]
+    assert (dapo["finished_judged"], dapo["zero_variance"], dapo["zero_variance_stale"]) == (11, 7, 3)
+    assert (dapo["missing_metric"], dapo["refused_groups"], dapo["trajectories_read"]) == (0, 0, 22)
+    assert data["notes"] == [
+        "DAPO (acc): 7 of 11 finished groups have zero variance; verl reports 7 as filter_groups/evicted_samples, "
+        "3 of them also as off_policy (doomed counts those as stale)"
+    ]
+
+
 def test_inspect_names_a_missing_metric_as_verls_first_sample_error(saved: dict[str, Any]) -> None:
-    args = [str(saved["root"]), *CONFIG_FLAGS, "--filter-groups", "--filter-groups-metric", "acc"]
+    args = [str(saved["root"]), *CONFIG_FLAGS, "--filter-groups", "--filter-groups-metric", "score"]
     data = inspect_json(*args)
     assert "filtered" not in data["doomed"] and data["under_submitted_is_lower_bound"] is True
     assert data["dapo"]["missing_metric"] == 11
     assert any(
-        "11 finished group(s) lack DAPO metric 'acc'" in note and "RuntimeError" in note for note in data["notes"]
+        "11 finished group(s) lack DAPO metric 'score'" in note and "RuntimeError" in note for note in data["notes"]
     )
+
+
+def rewrite_unit(root: Path, field: str, values: dict[str, Any]) -> Path:
+    """Step 40's storage unit with ``field`` of some trajectory keys replaced, through TQ's own storage class."""
+    from transfer_queue.storage.simple_storage import StorageUnitData
+
+    tq_dir = root / "global_step_40" / "transfer_queue"
+    with open(tq_dir / "controller_state.pkl", "rb") as handle:
+        index = {key: i for key, i, _ in layout.partition_keys(unpickler.restricted_load(handle))}
+    path = next((tq_dir / "simple_storage").glob("su_*.pkl"))
+    unit = StorageUnitData(1000)
+    unit.load_checkpoint(path)  # our own test file: the stock unpickler is fine here
+    unit.put_data({field: list(values.values())}, [index[key] for key in values])
+    unit.save_checkpoint(path, path.stem.split("_", 2)[2])
+    return path
+
+
+def test_a_metric_value_tqmon_cannot_decode_is_said_and_counted_not_predicted_as_a_crash(root: Path) -> None:
+    unit = rewrite_unit(root, "extra_fields", {f"{P[6]}_0_1": {"reward_extra_info": {"acc": np.longdouble(0.1)}}})
+    config = TrainerConfig(train_batch_size=8, num_warmup_batches=3, filter_groups=True, filter_groups_metric="acc")
+    lines: list[str] = []
+    tracker = Tracker(StateStore(None), given=GivenConfig("colocate_async", config, "flags"), announce=lines.append)
+    CheckpointSource(root, tracker, interval=1.0, filter_metric="acc").poll()
+    text = metrics(tracker)
+    assert value(text, "tqmon_source_errors_total", reason="invalid_data", source="checkpoint") == 1
+    assert value(text, "tqmon_checkpoint_doomed_prompt_groups", reason="filtered") is None  # unknown, not 0
+    assert value(text, "tqmon_checkpoint_doomed_prompt_groups", reason="failure") == 4
+    reason = (
+        f"1 finished group(s) refused: {unit.name}, global index {{}}: refused a numpy scalar of dtype 'f16' "
+        "(tqmon decodes numpy's bool, int, float and complex) in the DAPO metric's field"
+    )
+    assert len(lines) == 1 and lines[0].startswith("checkpoint: DAPO's filtered groups unknown: 1 finished group(s)")
+    index = int(lines[0].split("global index ")[1].split(":")[0])
+    assert lines[0] == f"checkpoint: DAPO's filtered groups unknown: {reason.format(index)}"
+
+    data = inspect_json(str(root), *CONFIG_FLAGS, "--filter-groups", "--filter-groups-metric", "acc")
+    assert (data["dapo"]["missing_metric"], data["dapo"]["refused_groups"]) == (0, 1)
+    assert "filtered" not in data["doomed"] and data["under_submitted_is_lower_bound"] is True
+    assert data["notes"] == [
+        "1 finished group(s) hold a value of DAPO metric 'acc' tqmon cannot decode, so filtered is unknown "
+        f"({reason.format(index).split(': ', 1)[1]})"
+    ]
+
+
+# A legacy torch.save record of 14 bytes: PROTO 2, BININT 1, LONG_BINPUT 2**25, TUPLE1, STOP. CPython's
+# unpickler sizes its memo array to the index: 512 MiB for these 14 bytes.
+MEMO_BOMB = b"\x80\x02J\x01\x00\x00\x00r" + (1 << 25).to_bytes(4, "little") + b"\x85."
+
+
+def test_a_torch_record_sizing_the_memo_is_refused_before_unpickling(root: Path) -> None:
+    import collections
+    import resource
+
+    import torch
+
+    class Storage:
+        def __reduce__(self) -> tuple[Any, ...]:
+            genuine = torch.ones(3, dtype=torch.bfloat16).untyped_storage().__reduce__()[1][0]
+            return (torch.storage._load_from_bytes, (MEMO_BOMB + genuine,))
+
+    class Scores:  # an rm_scores tensor whose storage's first record is the bomb
+        def __reduce__(self) -> tuple[Any, ...]:
+            return (torch._utils._rebuild_tensor_v2, (Storage(), 0, (3,), (1,), False, collections.OrderedDict()))
+
+    assert len(MEMO_BOMB) == 14
+    unit = rewrite_unit(root, "rm_scores", {f"{P[6]}_0_1": Scores()})
+    lines: list[str] = []
+    tracker = Tracker(
+        StateStore(None), given=GivenConfig("colocate_async", DAPO_CONFIG, "flags"), announce=lines.append
+    )
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    tracemalloc.start()
+    try:
+        started = time.monotonic()
+        CheckpointSource(root, tracker, interval=1.0, filter_metric="reward").poll()
+        seconds = time.monotonic() - started
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < 50 << 20, peak  # the stock unpickler allocates 512 MiB for the record
+    assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - rss < 50 << 10  # KiB
+    assert seconds < 5
+    assert lines == [
+        f"checkpoint: DAPO's filtered groups unknown: {unit}: torch storage record refused before unpickling "
+        "(memo_index): LONG_BINPUT 33554432 leaves a gap in a memo of 0"
+    ]
+    text = metrics(tracker)
+    assert value(text, "tqmon_source_errors_total", reason="invalid_data", source="checkpoint") == 1
+    assert value(text, "tqmon_source_up", source="checkpoint") == 1  # the rest of the checkpoint is served
+    assert value(text, "tqmon_checkpoint_prompt_groups", status="finished") == 11
+    assert doomed(tracker) == {"failure": 4, "stale": 4}  # filtered unknown
 
 
 def test_unreadable_storage_units_are_counted_and_the_composition_still_served(root: Path) -> None:

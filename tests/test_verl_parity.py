@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 import httpx
+import numpy as np
 import pytest
 from click.testing import CliRunner
 from verl.trainer.ppo.v1.agent_loop_tq import AgentLoopManagerTQ
@@ -682,11 +683,12 @@ DAPO_OVERRIDES = (
     f"trainer.v1.sampler.max_off_policy_threshold={DAPO_THRESHOLD}",
     "trainer.v1.colocate_async.num_warmup_batches=3",
 )
-# (status, global_steps, the metric of each of the group's trajectories); one prompt group per row.
-DAPO_WINDOW: tuple[tuple[str, int, tuple[float, ...]], ...] = (
+# (status, global_steps, the metric of each of the group's trajectories); one prompt group per row. Reward
+# functions may return numpy scalars: verl takes float() of each.
+DAPO_WINDOW: tuple[tuple[str, int, tuple[float | np.floating[Any], ...]], ...] = (
     ("finished", 20, (1.0, 0.0, 1.0)),  # kept
-    ("finished", 20, (0.0, 0.5, 1.0)),  # kept
-    ("finished", 20, (1.0, 1.0)),  # zero variance: filtered
+    ("finished", 20, (np.float64(0.1), np.float32(0.1))),  # kept: the float32 reads 0.10000000149011612
+    ("finished", 20, (np.float32(1.0), np.float64(1.0))),  # zero variance: filtered
     ("finished", 19, (0.0, 0.0, 0.0)),  # zero variance: filtered
     ("finished", 19, (0.1, 0.1, 0.1)),  # np.std is 1.4e-17, not 0: verl keeps it
     ("finished", 19, (1.0,)),  # one trajectory: verl never filters it
@@ -701,7 +703,7 @@ DAPO_VERL_METRICS = {"failure": 1, "stale": 3, "filtered": 4}
 DAPO_DOOMED = {"failure": 1, "stale": 3, "filtered": 2}  # precedence failure > stale > filtered
 
 
-def put_dapo_trajectories(tq: Any, uid: str, g: int, metric: tuple[float, ...]) -> None:
+def put_dapo_trajectories(tq: Any, uid: str, g: int, metric: tuple[float | np.floating[Any], ...]) -> None:
     """A finished group's trajectories with the fields the agent-loop worker puts, built as it builds them."""
     import torch
     from verl.utils.tensordict_utils import list_of_dict_to_tensordict
@@ -709,7 +711,7 @@ def put_dapo_trajectories(tq: Any, uid: str, g: int, metric: tuple[float, ...]) 
     rows = []
     for session, value in enumerate(metric):
         rm_scores = torch.zeros(3 + session, dtype=torch.float32)
-        rm_scores[-1] = value
+        rm_scores[-1] = float(value)
         rows.append(
             {
                 "responses": torch.ones(3 + session, dtype=torch.int64),

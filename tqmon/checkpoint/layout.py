@@ -118,7 +118,8 @@ class CheckpointReading:
     saved_at_ns: int = 0  # mtime of controller_state.pkl (or of global_step_N without a TQ dir)
     size_bytes: int = 0  # of controller_state.pkl
     filter_verdicts: FilterVerdicts | None = None  # DAPO's, read from the storage units when its metric is known
-    filter_error: CheckpointError | None = None  # why the verdicts could not be read (the composition stands)
+    # Why the verdicts could not be read, or why some groups have none (the composition stands).
+    filter_error: CheckpointError | None = None
 
     @property
     def event_id(self) -> str:
@@ -126,7 +127,7 @@ class CheckpointReading:
 
     def to_event(self) -> CheckpointSaved:
         """The one event the checkpoint source ingests for this checkpoint: with DAPO's verdicts once every
-        finished group has one (a missing metric decides nothing)."""
+        finished group has one (a missing metric or a refused value decides nothing)."""
         c = self.composition
         groups = c.group_counts()
         verdicts = self.filter_verdicts if self.filter_verdicts is not None and self.filter_verdicts.decided else None
@@ -290,6 +291,10 @@ def read_checkpoint(
             verdicts = filter_verdicts(keys, tq_dir, filter_metric, progress=_large_only(progress))
         except CheckpointError as err:
             filter_error = err
+        else:
+            if verdicts.refused:  # counted and shown as an unreadable unit is; the verdicts still tell the rest
+                refused = f"{verdicts.refused} finished group(s) refused: {verdicts.refusal}"
+                filter_error = CheckpointError("invalid_data", refused)
     return CheckpointReading(
         root, step, tq_dir, composition, user, storage_saved, st.st_mtime_ns, st.st_size, verdicts, filter_error
     )

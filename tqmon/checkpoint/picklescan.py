@@ -35,7 +35,10 @@ class PickleRefused(ValueError):
 
 
 class _BoundedReader:
-    """Refuses a read longer than what is left of the file, instead of allocating it."""
+    """Refuses a read longer than what is left of the file, instead of allocating it.
+
+    It has no ``tell``: ``pickletools.genops`` would call it for every opcode, for a position the walk never uses.
+    """
 
     def __init__(self, stream: BinaryIO, size: int) -> None:
         self._stream = stream
@@ -45,7 +48,7 @@ class _BoundedReader:
         return max(0, self._size - self._stream.tell())
 
     def read(self, n: int | None = -1) -> bytes:
-        if n is not None and n > self.left():
+        if n is not None and n > self._size - self._stream.tell():
             raise self.too_long("an opcode", n)
         return self._stream.read(-1 if n is None else n)
 
@@ -56,9 +59,6 @@ class _BoundedReader:
 
     def readline(self, limit: int | None = -1) -> bytes:
         return self._stream.readline(limit if limit is not None else -1)
-
-    def tell(self) -> int:
-        return self._stream.tell()
 
 
 def scan(stream: BinaryIO, size: int) -> None:

@@ -149,20 +149,28 @@ class Preflight:
         if self.config is None or not self.config.filter_groups:
             return ()
         verdicts, error = self.reading.filter_verdicts, self.reading.filter_error
-        if error is not None:
-            return (f"filter_groups is on but the storage units could not be read ({error}): filtered is unknown",)
         if verdicts is None:
+            if error is not None:
+                return (f"filter_groups is on but the storage units could not be read ({error}): filtered is unknown",)
             if "filtered" in self.doomed:
                 return ()  # nothing restored: nothing to filter
             return (
                 "filter_groups is on: give --filter-groups-metric (algorithm.filter_groups.metric) to predict the "
                 "groups DAPO filters from the storage units; until then the deficit is a minimum",
             )
-        if not verdicts.decided:
-            return (
+        undecided: list[str] = []
+        if verdicts.missing:
+            undecided.append(
                 f"{verdicts.missing} finished group(s) lack DAPO metric {verdicts.metric!r} on some trajectory: "
-                "verl 0.9.1 raises RuntimeError ('Finished groups are missing DAPO metric') at the first sample",
+                "verl 0.9.1 raises RuntimeError ('Finished groups are missing DAPO metric') at the first sample"
             )
+        if verdicts.refused:
+            undecided.append(
+                f"{verdicts.refused} finished group(s) hold a value of DAPO metric {verdicts.metric!r} tqmon cannot "
+                f"decode, so filtered is unknown ({verdicts.refusal})"
+            )
+        if undecided:
+            return tuple(undecided)
         zero, stale = self.zero_variance(verdicts)
         return (
             f"DAPO ({verdicts.metric}): {zero} of {verdicts.finished} finished groups have zero variance; verl "
@@ -182,6 +190,8 @@ class Preflight:
             "zero_variance": zero,  # verl's training/filter_groups/evicted_samples (it counts stale ones too)
             "zero_variance_stale": stale,  # also training/off_policy/evicted_samples: doomed counts them as stale
             "missing_metric": verdicts.missing,
+            "refused_groups": verdicts.refused,  # their verdict unknown: a metric value tqmon cannot decode
+            "refusal": verdicts.refusal,
             "trajectories_read": verdicts.trajectories,
             "storage_bytes": verdicts.storage_bytes,
         }

@@ -13,8 +13,12 @@ the controller state, and its unneeded fields may hold any object. It is therefo
 :class:`Select` spec names (the metric of the wanted trajectories), seeks over every other payload, and
 calls nothing but inert stand-ins. Torch tensors are decoded from their bytes: the payload of
 ``torch.storage._load_from_bytes`` is a legacy ``torch.save`` of one storage, whose small pickles go
-through :class:`~tqmon.checkpoint.unpickler.RestrictedUnpickler` and whose raw data is unpacked with
-``struct``. Anything else is refused with :class:`~tqmon.checkpoint.unpickler.CheckpointError`.
+through the controller state's pre-scan (:func:`~tqmon.checkpoint.picklescan.scan`) and
+:class:`~tqmon.checkpoint.unpickler.RestrictedUnpickler`, and whose raw data is unpacked with ``struct``.
+numpy scalars (``np.float64``, ``np.float32``, ...: numpy 1 and 2 pickles) are decoded from their dtype and
+bytes the same way. Anything else is refused with :class:`~tqmon.checkpoint.unpickler.CheckpointError`, or,
+where a metric value is read, with a reason that leaves its group's verdict unknown: a value under a
+selected key is never dropped, since a dropped value would read as a missing metric.
 
 :func:`filter_verdicts` then replays ``ReplayBuffer._dapo_filtered_keys`` on the restored window.
 """
@@ -32,6 +36,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO
 
+from tqmon.checkpoint.picklescan import PickleRefused, scan
 from tqmon.checkpoint.unpickler import CheckpointError, RestrictedUnpickler
 from tqmon.composition import Progress, ProgressFactory
 from tqmon.events import GroupCount
@@ -154,13 +159,37 @@ def round_to(kind: str, value: float) -> float:
     return float(struct.unpack("<f", struct.pack("<I", bits))[0])
 
 
+# Per record of a legacy ``torch.save`` (magic, protocol, system info, storage, keys), the last one that passed
+# the pre-scan: the first three are the same bytes in every tensor, so they are scanned once, not per tensor.
+_SCANNED: list[bytes] = [b""] * 5
+MAX_SCANNED_RECORD = 4096  # bytes of a record remembered there
+
+
+def _prescan(data: bytes, stream: io.BytesIO, position: int) -> None:
+    """The controller state's pre-scan on the record at the stream's position, which is left where it was: CPython's
+    unpickler trusts sizes (a 14-byte record storing into memo slot 2**25 sizes its memo array to 512 MiB)."""
+    start = stream.tell()
+    known = _SCANNED[position]
+    if known and data.startswith(known, start):  # the unpickler reads exactly these bytes, up to their STOP
+        return
+    try:
+        scan(stream, len(data) - start)
+    except PickleRefused as err:
+        message = f"torch storage record refused before unpickling ({err.reason}): {err}"
+        raise CheckpointError("invalid_data", message) from None
+    if stream.tell() - start <= MAX_SCANNED_RECORD:
+        _SCANNED[position] = data[start : stream.tell()]
+    stream.seek(start)
+
+
 def decode_storage(data: object) -> DecodedStorage:
     """Stands in for ``torch.storage._load_from_bytes``: the legacy ``torch.save`` of one storage."""
     if not isinstance(data, bytes):
         raise CheckpointError("invalid_data", f"torch storage payload is {type(data).__name__}, not bytes")
     stream = io.BytesIO(data)
 
-    def record() -> Any:
+    def record(position: int) -> Any:
+        _prescan(data, stream, position)
         try:
             return _StorageRecordUnpickler(stream).load()
         except CheckpointError:
@@ -168,13 +197,13 @@ def decode_storage(data: object) -> DecodedStorage:
         except Exception as err:  # EOFError, UnpicklingError, ... from a payload that is not torch's
             raise CheckpointError("invalid_data", f"torch storage payload: {type(err).__name__}: {err}") from None
 
-    if record() != TORCH_MAGIC or record() != TORCH_PROTOCOL:
+    if record(0) != TORCH_MAGIC or record(1) != TORCH_PROTOCOL:
         raise CheckpointError("invalid_data", "torch storage payload is not a legacy torch.save")
-    info = record()
+    info = record(2)
     if not isinstance(info, dict) or info.get("little_endian") is not True:
         raise CheckpointError("invalid_data", "torch storage payload is not little-endian")
-    pid = record()
-    keys = record()
+    pid = record(3)
+    keys = record(4)
     if not isinstance(pid, tuple) or keys != [pid[2]]:
         raise CheckpointError("invalid_data", "torch storage payload does not hold exactly one storage")
     size = STORAGE_CODES[pid[1]][1]
@@ -274,13 +303,78 @@ def _children(container: object, mode: Mode, key: object = None) -> Mode:
     return SKIP
 
 
+# ---------------------------------------------------------------- numpy scalars, from their bytes
+
+# Type codes of the numpy scalars decoded (``dtype.str`` without its byte order) -> struct code. verl reads
+# ``float(value)``: exact for each of these (float16/float32 widen exactly, integers round as numpy does, a
+# complex gives its real part).
+NUMPY_CODES: Mapping[str, str] = {
+    "f8": "d", "f4": "f", "f2": "e", "c16": "dd", "c8": "ff",
+    "i8": "q", "i4": "i", "i2": "h", "i1": "b",
+    "u8": "Q", "u4": "I", "u2": "H", "u1": "B",
+    "b1": "?",
+}  # fmt: skip
+
+
+class NumpyDtype:
+    """``numpy.dtype(code, align, copy)`` as a pickle rebuilds it: the type code, then the byte order ``BUILD`` sets."""
+
+    __slots__ = ("byteorder", "code")
+
+    def __init__(self, code: str) -> None:
+        self.code = code
+        self.byteorder: str | None = None  # "<", ">" or "|" once BUILD set a plain state; "?" for any other
+
+    def build(self, state: object) -> None:
+        """numpy's ``dtype.__setstate__``: ``(version, byteorder, subarray, names, fields, ...)``."""
+        if self.byteorder is not None:
+            raise CheckpointError("invalid_data", f"numpy dtype {self.code!r} rebuilt twice")
+        self.byteorder = "?"
+        if isinstance(state, tuple) and len(state) in (8, 9) and state[1] in ("<", ">", "|"):
+            self.byteorder = state[1] if state[2:5] == (None, None, None) else "?"  # no subarray, no fields
+
+    def __repr__(self) -> str:
+        return f"<numpy dtype {self.code!r}>"
+
+
+def numpy_dtype(*args: object) -> NumpyDtype | Refused:
+    """Stands in for ``numpy.dtype``, called as numpy's ``dtype.__reduce__`` pickles it: ``(code, align, copy)``."""
+    if len(args) != 3 or not isinstance(args[0], str):
+        return Refused(f"numpy.dtype{args!r:.80}")
+    return NumpyDtype(args[0])
+
+
+def numpy_scalar(dtype: object, data: object = None) -> float | int | bool | Refused:
+    """Stands in for ``numpy.core.multiarray.scalar(dtype, bytes)`` (numpy 1; ``numpy._core`` in numpy 2): the
+    scalar's value as a Python number, which ``float()`` reads as it reads the numpy scalar."""
+    if not isinstance(dtype, NumpyDtype):
+        return Refused(f"a numpy scalar of {type(dtype).__name__}")
+    code = NUMPY_CODES.get(dtype.code)
+    if code is None or dtype.byteorder not in ("<", ">", "|"):
+        return Refused(f"a numpy scalar of dtype {dtype.code!r} (tqmon decodes numpy's bool, int, float and complex)")
+    if not isinstance(data, bytes) or len(data) != struct.calcsize(code):
+        return Refused(f"a numpy {dtype.code!r} scalar whose data is not {struct.calcsize(code)} bytes")
+    value: float | int | bool = struct.unpack((">" if dtype.byteorder == ">" else "<") + code, data)[0]
+    return value
+
+
 NO_HOOKS: frozenset[object] = frozenset()  # a tensor record's empty OrderedDict of backward hooks; never read
 
 STAND_INS: Mapping[tuple[str, str], Callable[..., object]] = {
     ("torch._utils", "_rebuild_tensor_v2"): rebuild_tensor,
     ("torch.storage", "_load_from_bytes"): decode_storage,
     ("collections", "OrderedDict"): lambda *args: NO_HOOKS if not args else Refused("a non-empty OrderedDict"),
+    ("numpy", "dtype"): numpy_dtype,
+    ("numpy.core.multiarray", "scalar"): numpy_scalar,  # numpy 1
+    ("numpy._core.multiarray", "scalar"): numpy_scalar,  # numpy 2
 }
+
+
+def _built_anywhere(obj: object) -> bool:
+    """numpy dtypes and scalars are built even in a skipped region, with their arguments (a dtype's state too): a
+    pickle writes each once and refers back to it, often from a field that is read (every scalar of a type to its
+    dtype, every dict holding the same scalar to it). They are a few bytes each."""
+    return obj is numpy_dtype or obj is numpy_scalar or (isinstance(obj, NumpyDtype) and obj.byteorder is None)
 
 
 class SelectiveWalker:
@@ -372,8 +466,12 @@ class SelectiveWalker:
         below = stack[p - 1]
         if isinstance(below, list) and (not marks or self.marks[marks - 1] < p):
             mode = _stronger(mode, KEEP if modes[p - 1] is KEEP else SKIP)
-        if isinstance(below, Global) or callable(below):
+        if isinstance(below, Global) or callable(below):  # an argument of a callable
+            if below is numpy_dtype or below is numpy_scalar:
+                return KEEP  # see _built_anywhere
             mode = _stronger(mode, modes[p - 1])
+        elif isinstance(below, NumpyDtype) and (below.byteorder is None or (p >= 2 and stack[p - 2] is numpy_scalar)):
+            return KEEP  # a dtype's state, or a scalar's bytes after its dtype
         return mode
 
     def _next_mode(self) -> Mode:
@@ -401,7 +499,8 @@ class SelectiveWalker:
         return items
 
     def _memoize(self, obj: object, mode: Mode) -> None:
-        """Remember what a later BINGET may need: names and scalars anywhere, and the containers of built regions.
+        """Remember what a later BINGET may need: names, scalars (numpy's and their short bytes too) and refusals
+        anywhere, and the containers of built regions.
 
         A tensor record's pieces (its payload, storage, geometry tuples) are referenced only inside the record,
         so they are not kept; a later reference to anything not kept becomes :class:`Refused` where it is built.
@@ -410,8 +509,8 @@ class SelectiveWalker:
         self._memo_next += 1
         if not (
             obj is None
-            or isinstance(obj, bool | int | float | Global)
-            or (isinstance(obj, str) and len(obj) <= MAX_SHORT_STR)
+            or isinstance(obj, bool | int | float | Global | NumpyDtype | Refused)
+            or (isinstance(obj, str | bytes) and len(obj) <= MAX_SHORT_STR)
             or callable(obj)
             or (mode is not SKIP and isinstance(obj, dict | list | set))
         ):
@@ -422,14 +521,18 @@ class SelectiveWalker:
 
     # -- the operations
 
-    def _set_items(self, target: object, pairs: list[object]) -> None:
+    def _set_items(self, target: object, mode: Mode, pairs: list[object]) -> None:
+        """Set the items on a built dict; a value skipped under a key ``mode`` selects is kept as :class:`Refused`
+        (an error where it is read), never dropped: a dropped value would read as a missing one."""
         if len(pairs) % 2:
             raise CheckpointError("invalid_data", "odd number of dict items")
         if isinstance(target, dict):
             for i in range(0, len(pairs), 2):
                 key, value = pairs[i], pairs[i + 1]
                 if isinstance(value, _Skipped):
-                    continue
+                    if _children(target, mode, key) is SKIP:
+                        continue
+                    value = Refused(f"the value under {key!r:.80}, which the walk could not build")
                 try:
                     target[key] = value
                 except TypeError:
@@ -438,16 +541,18 @@ class SelectiveWalker:
             raise CheckpointError("invalid_data", f"dict items set on {type(target).__name__}")
 
     def _call(self, fn: object, args: object, mode: Mode) -> object:
-        if mode is SKIP or isinstance(args, _Skipped) or isinstance(fn, _Skipped):
+        """``fn(*args)`` where its result is needed (or is numpy's: see :func:`_built_anywhere`); a needed result
+        whose arguments were not built is :class:`Refused`, never skipped."""
+        if (mode is SKIP and not _built_anywhere(fn)) or isinstance(fn, _Skipped):
             return SKIP
         if isinstance(fn, Global):
             return Refused(f"global {fn.module}.{fn.name}")
-        if not callable(fn) or not isinstance(args, tuple):
+        if not callable(fn) or not isinstance(args, tuple | _Skipped):
             raise CheckpointError("invalid_data", "REDUCE of something that is not a stand-in")
-        for arg in args:
-            if isinstance(arg, _Skipped | Refused):
-                return arg if isinstance(arg, Refused) else SKIP
-        return fn(*args)
+        if isinstance(args, _Skipped) or any(isinstance(arg, _Skipped) for arg in args):
+            return Refused(f"a call of {getattr(fn, '__name__', 'a stand-in')} whose arguments were not built")
+        refused = next((arg for arg in args if isinstance(arg, Refused)), None)
+        return fn(*args) if refused is None else refused
 
     def _global(self, module: str, name: str) -> object:
         return STAND_INS.get((module, name)) or Global(module, name)
@@ -530,10 +635,10 @@ class SelectiveWalker:
                 self._push(SKIP_LIST if mode is SKIP else list(items), mode)
             elif op == 0x73:  # SETITEM
                 pairs = self._pop(2)
-                self._set_items(self._top(), pairs)
+                self._set_items(self._top(), self.modes[-1], pairs)
             elif op == 0x75:  # SETITEMS
                 pairs = self._pop_mark()[0]
-                self._set_items(self._top(), pairs)
+                self._set_items(self._top(), self.modes[-1], pairs)
             elif op in (0x61, 0x65, 0x90):  # APPEND, APPENDS, ADDITEMS
                 items = self._pop(1) if op == 0x61 else self._pop_mark()[0]
                 target = self._top()
@@ -564,7 +669,9 @@ class SelectiveWalker:
             elif op == 0x62:  # BUILD
                 state = self._pop(1)[0]
                 target = self._top()
-                if not isinstance(target, _Skipped | Refused) and not isinstance(state, _Skipped):
+                if isinstance(target, NumpyDtype):
+                    target.build(state)
+                elif not isinstance(target, _Skipped | Refused) and not isinstance(state, _Skipped):
                     raise CheckpointError("invalid_data", f"refused BUILD on {type(target).__name__}")
             elif op == 0x30:  # POP
                 if self.marks and self.marks[-1] == len(self.stack):
@@ -608,6 +715,7 @@ class MetricValues:
 
     values: Mapping[int, float]
     missing: frozenset[int]  # wanted indexes without the metric (verl raises at the first sample)
+    refused: Mapping[int, str]  # wanted indexes whose metric value tqmon cannot decode, and why
     files: int
     bytes_read: int
 
@@ -696,6 +804,7 @@ def read_metric_values(
     field = "rm_scores" if metric == REWARD_METRIC else "extra_fields"
     values: dict[int, float] = {}
     missing: set[int] = set()
+    refused: dict[int, str] = {}
     for path in files:
         try:
             bar = progress(f"reading {path.name}", sizes[path]) if progress is not None else nullcontext()
@@ -716,13 +825,17 @@ def read_metric_values(
         column = root["field_data"].get(field, {})
         for index, value in column.items():
             if index in wanted_set:
-                number = metric_value(metric, value)
+                try:
+                    number = metric_value(metric, value)
+                except CheckpointError as err:
+                    refused[index] = f"{path.name}, global index {index}: {err}"
+                    continue
                 if number is None:
                     missing.add(index)
                 else:
                     values[index] = number
-    missing |= wanted_set - values.keys() - missing
-    return MetricValues(values, frozenset(missing), len(files), total)
+    missing |= wanted_set - values.keys() - refused.keys() - missing
+    return MetricValues(values, frozenset(missing), refused, len(files), total)
 
 
 # ---------------------------------------------------------------- DAPO verdicts of a checkpoint
@@ -736,13 +849,15 @@ class FilterVerdicts:
     filtered: Mapping[int, int]  # zero-variance finished groups by global_steps (verl's filter_groups eviction)
     finished: int  # finished groups judged
     missing: int  # finished groups lacking the metric on some trajectory, or with none: verl 0.9.1 raises
+    refused: int  # other finished groups with a metric value tqmon cannot decode: their verdict is unknown
+    refusal: str | None  # why, for the first of them
     trajectories: int  # trajectories whose metric was read
     storage_bytes: int  # size of the storage-unit files walked
 
     @property
     def decided(self) -> bool:
         """Every finished group has a verdict (with a missing metric verl raises instead of filtering)."""
-        return self.missing == 0
+        return self.missing == 0 and self.refused == 0
 
 
 def filter_verdicts(
@@ -780,13 +895,25 @@ def filter_verdicts(
     read = read_metric_values(tq_dir, metric, wanted, max_bytes=max_bytes, progress=progress) if wanted else None
     filtered: dict[int, int] = {}
     missing = 0
+    refusals: list[str] = []
     for uid, indexes in members.items():
         if not indexes or (read is not None and any(i in read.missing for i in indexes)):
             missing += 1
+        elif read is not None and (why := [read.refused[i] for i in indexes if i in read.refused]):
+            refusals.append(why[0])
         elif read is not None and is_zero_variance([read.values[i] for i in indexes]):
             steps = finished[uid]
             filtered[steps] = filtered.get(steps, 0) + 1
-    return FilterVerdicts(metric, filtered, len(finished), missing, len(wanted), 0 if read is None else read.bytes_read)
+    return FilterVerdicts(
+        metric,
+        filtered,
+        len(finished),
+        missing,
+        len(refusals),
+        refusals[0] if refusals else None,
+        len(wanted),
+        0 if read is None else read.bytes_read,
+    )
 
 
 def with_verdicts(groups: list[GroupCount], verdicts: FilterVerdicts) -> list[GroupCount]:
