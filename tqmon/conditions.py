@@ -13,6 +13,7 @@ import re
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from tqmon.report import describe_regression
 from tqmon.rules import Alert, RuleConfig, alerts
 from tqmon.snapshot import ResumeRecord, Snapshot
 from tqmon.warmup import WarmupState
@@ -189,6 +190,15 @@ def _lost_window(snapshot: Snapshot, now: float, config: RuleConfig) -> Check:
     return record.warmup_state is WarmupState.LOST_WINDOW, detail
 
 
+def _step_regression(snapshot: Snapshot, now: float, config: RuleConfig) -> Check:
+    record = _recent(snapshot, now, config)
+    if record is None:
+        return False, _no_recent_start(snapshot)
+    if not record.step_regressions:
+        return False, "no step regression"
+    return True, "; ".join(describe_regression(r) for r in record.step_regressions)
+
+
 EVALUATORS: dict[str, Evaluator] = {
     "TQMonWindowUnderFilledAfterResume": _under_filled,
     "TQMonWarmupUnderSubmitted": _under_submitted,
@@ -202,6 +212,7 @@ EVALUATORS: dict[str, Evaluator] = {
     "TQMonSourceStale": _source_stale,
     "TQMonResumeSourcesDisagree": _disagree,
     "TQMonResumeLostWindow": _lost_window,
+    "TQMonResumeStepRegression": _step_regression,
 }
 
 

@@ -316,6 +316,15 @@ def alerts(config: RuleConfig) -> list[Alert]:
             "{{ $labels.instance }} resumed from a checkpoint without transfer_queue/: the saved prefetch window"
             " (tqmon_resume_lost_prompt_groups) was not restored and the warmup regenerated it from scratch.",
         ),
+        Alert(
+            "TQMonResumeStepRegression",
+            f"{m('tqmon_resume_step_regression_steps')} > 0\nand ignoring (reason) {recent}",
+            config.decision_for,
+            "warning",
+            "The last start went back in steps, or counted a step twice.",
+            "The last start of {{ $labels.instance }} went back {{ $value }} step(s) ({{ $labels.reason }}): it"
+            " began older than a checkpoint already saved, or logged a step again; /api/v1/status names both steps.",
+        ),
     ]
 
 
