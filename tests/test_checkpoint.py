@@ -38,6 +38,7 @@ from tqmon.cli import main
 from tqmon.composition import compose
 from tqmon.conditions import evaluate
 from tqmon.events import CheckpointSaved, parse_event
+from tqmon.exporters import html
 from tqmon.exporters.prometheus import build_registry, render
 from tqmon.sim.rollout import trajectory_tag
 from tqmon.snapshot import Tally
@@ -989,6 +990,12 @@ def test_a_fresh_start_while_checkpoints_exist_without_the_latest_file_is_a_regr
     started = tracker.snapshot.records[-1].started_at
     holds = {c.alert: (c.state, c.detail) for c in evaluate(tracker.snapshot, started + 60)}
     assert holds["TQMonResumeStepRegression"] == ("true", "began at step 0, step 45 was saved (latest_file_missing)")
+    page = html.render(tracker.snapshot, started + 60)
+    assert (
+        "<b class='flag' data-k='step-regression'>Step regression</b>: began at step 0, step 45 was saved"
+        " (latest_file_missing)." in page
+    )
+    assert "latest_checkpointed_iteration.txt is missing (verl&#x27;s resume_mode=auto starts fresh)" in page
 
 
 def test_a_resume_from_a_stale_latest_file_is_a_regression(root: Path, tmp_path: Path) -> None:
