@@ -139,6 +139,7 @@ RESUME_RECORD: dict[str, Any] = {
         "wasted_rollouts": None,
         "lost_prompt_groups": 0,
     },
+    "step_regressions": [],  # the first start: nothing saved before it; step 11 after a resume from 10
     "verdict": "UNDER-SUBMITTED by at least 1 (doomed stale not known)",
 }
 RESUME_EVIDENCE = [

@@ -13,6 +13,7 @@ M = 4, useful 20 - 8 + 4 = 16, under-submitted 8. With verl's default threshold 
 
 from __future__ import annotations
 
+import datetime
 import json
 import os
 import pickle
@@ -37,11 +38,14 @@ from tqmon.checkpoint.layout import read_checkpoint
 from tqmon.checkpoint.unpickler import CheckpointError
 from tqmon.cli import main
 from tqmon.composition import compose
+from tqmon.conditions import evaluate
 from tqmon.events import CheckpointSaved, parse_event
+from tqmon.exporters import html
 from tqmon.exporters.prometheus import build_registry, render
 from tqmon.sim.rollout import trajectory_tag
 from tqmon.snapshot import Tally
 from tqmon.sources.checkpoint import CheckpointSource
+from tqmon.sources.logparse import parse_line
 from tqmon.store import StateStore
 from tqmon.tracker import Tracker
 from tqmon.versions import FLAG, installed, named
@@ -1229,3 +1233,137 @@ def test_analyze_reads_dapo_verdicts_from_the_checkpoint_dir(root: Path, tmp_pat
     assert record["doomed"] == {"failure": 4, "stale": 4, "filtered": 7}
     assert (record["under_submitted"], record["under_submitted_lower_bound"]) == (15, False)
     assert record["cost"]["wasted_rollouts"] == 60
+
+
+# ---------------------------------------------------------------- step regression at resume (issue 21)
+
+# verl's own lines: the trainer's start, then Tracking's console backend (``concat_dict_to_str``) per step.
+SCRATCH_LOG = """\
+INFO:{at}:Training from scratch
+step:1 - training/global_step:1 - timing_s/gen:2.5 - timing_s/step:10.0
+step:2 - training/global_step:2 - timing_s/gen:2.5 - timing_s/step:10.0
+"""
+RESUMED_LOG = (
+    RESUME_LOG
+    + "step:{first} - training/global_step:{first} - timing_s/gen:2.5 - timing_s/step:10.0\n"
+    + "step:{second} - training/global_step:{second} - timing_s/gen:2.5 - timing_s/step:10.0\n"
+)
+START = "2026-11-28 22:00:00,000"  # RESUME_LOG's first line
+
+
+def _saved_before_the_start(root: Path) -> None:
+    """Every global_step_N and the latest file written an hour before the start the logs below report."""
+    before = datetime.datetime(2026, 11, 28, 21, 0).astimezone().timestamp()
+    for path in [*root.glob("global_step_*"), root / "latest_checkpointed_iteration.txt"]:
+        if path.exists():
+            os.utime(path, (before, before))
+
+
+def _analyze(log_text: str, tmp_path: Path, root: Path | None) -> dict[str, Any]:
+    log = tmp_path / "trainer.log"
+    log.write_text(log_text)
+    flags = ["--checkpoint-dir", str(root)] if root is not None else []
+    result = CliRunner().invoke(main, ["analyze", "--json", *flags, str(log)])
+    assert result.exit_code == 0, result.output
+    records: list[dict[str, Any]] = json.loads(result.stdout)["records"]
+    assert len(records) == 1
+    return records[0]
+
+
+def _resumed(root: Path, first: int = 41, second: int = 42) -> str:
+    return RESUMED_LOG.format(root=root, first=first, second=second)
+
+
+def test_a_fresh_start_while_checkpoints_exist_without_the_latest_file_is_a_regression(
+    root: Path, tmp_path: Path
+) -> None:
+    """verl #7952: FSDP async_save never writes latest_checkpointed_iteration.txt, so resume_mode=auto starts
+    from scratch while global_step_40 and global_step_45 exist: flagged with both steps and why, by analyze and
+    by serve's checkpoint source and metrics."""
+    (root / "latest_checkpointed_iteration.txt").unlink()
+    _saved_before_the_start(root)
+    log_text = SCRATCH_LOG.format(at=START)
+    record = _analyze(log_text, tmp_path, root)
+    assert record["step_regressions"] == [{"step": 0, "newer_step": 45, "reason": "latest_file_missing"}]
+    details = [
+        e["detail"] for e in record["evidence"] if e["event_type"] in ("step_regression", "checkpoint_dir_listed")
+    ]
+    assert details == [
+        "global_step_45 saved before",
+        "step regression: started from scratch (step 0) while step 45 was saved: latest_checkpointed_iteration.txt"
+        " is missing (verl's resume_mode=auto starts fresh)",
+    ]
+    text = CliRunner().invoke(main, ["analyze", "--checkpoint-dir", str(root), str(tmp_path / "trainer.log")]).stdout
+    assert "STEP REGRESSION: began at step 0, step 45 was saved (latest_file_missing)" in text
+
+    tracker = Tracker(StateStore(None))
+    CheckpointSource(root, tracker).poll()
+    lines = enumerate(log_text.splitlines())
+    events = [e for i, line in lines if (e := parse_line(line, f"line{i}").event) is not None]
+    tracker.ingest(events, "log")
+    exposition = metrics(tracker)
+    assert value(exposition, "tqmon_resume_step_regression_steps", reason="latest_file_missing") == 45
+    assert value(exposition, "tqmon_resume_step_regression_steps", reason="step_repeated") == 0
+    started = tracker.snapshot.records[-1].started_at
+    holds = {c.alert: (c.state, c.detail) for c in evaluate(tracker.snapshot, started + 60)}
+    assert holds["TQMonResumeStepRegression"] == ("true", "began at step 0, step 45 was saved (latest_file_missing)")
+    page = html.render(tracker.snapshot, started + 60)
+    assert (
+        "<b class='flag' data-k='step-regression'>Step regression</b>: began at step 0, step 45 was saved"
+        " (latest_file_missing)." in page
+    )
+    assert "latest_checkpointed_iteration.txt is missing (verl&#x27;s resume_mode=auto starts fresh)" in page
+
+
+def test_a_resume_from_a_stale_latest_file_is_a_regression(root: Path, tmp_path: Path) -> None:
+    """The latest file names 40 while global_step_45 exists: verl resumes from 40, five steps back."""
+    _saved_before_the_start(root)
+    record = _analyze(_resumed(root), tmp_path, root)
+    assert record["step_regressions"] == [{"step": 40, "newer_step": 45, "reason": "latest_file_stale"}]
+    assert any(
+        "resumed from step 40 while step 45 was saved: latest_checkpointed_iteration.txt is stale: it names 40, not 45"
+        in e["detail"]
+        for e in record["evidence"]
+    )
+
+
+def test_a_resume_from_another_checkpoint_than_the_latest_file_names_is_a_choice(root: Path, tmp_path: Path) -> None:
+    """The latest file names 45, verl loaded 40: trainer.resume_from_path (or resume_mode) chose it."""
+    (root / "latest_checkpointed_iteration.txt").write_text("45")
+    _saved_before_the_start(root)
+    record = _analyze(_resumed(root), tmp_path, root)
+    assert record["step_regressions"] == [{"step": 40, "newer_step": 45, "reason": "resume_choice"}]
+
+
+def test_a_resume_from_the_newest_checkpoint_is_no_regression(root: Path, tmp_path: Path) -> None:
+    """Only global_step_40 exists and the latest file names it; folders written after the start never count."""
+    shutil.rmtree(root / "global_step_45")
+    _saved_before_the_start(root)
+    (root / "global_step_50").mkdir()  # saved by this start itself (mtime now, after the start's timestamps)
+    record = _analyze(_resumed(root), tmp_path, root)
+    assert record["step_regressions"] == []
+
+
+def test_a_step_counted_twice_after_a_resume_is_flagged(root: Path, tmp_path: Path) -> None:
+    """verl #7933: a fully-async resume from 40 logs step 40 again, and a step logged twice in one start."""
+    shutil.rmtree(root / "global_step_45")
+    _saved_before_the_start(root)
+    record = _analyze(_resumed(root, first=40, second=41), tmp_path, root)
+    assert record["step_regressions"] == [{"step": 40, "newer_step": 40, "reason": "step_repeated"}]
+    assert "step 40 logged again after step 40: counted twice" in [e["detail"] for e in record["evidence"]]
+    record = _analyze(_resumed(root, first=41, second=41), tmp_path, root)
+    assert record["step_regressions"] == [{"step": 41, "newer_step": 41, "reason": "step_repeated"}]
+
+
+def test_a_fresh_start_after_the_trainer_saved_is_a_regression_from_the_log_alone(tmp_path: Path) -> None:
+    """Without the checkpoint dir the trainer's own "Saving checkpoint" line is the newer step; why is unknown."""
+    log_text = (
+        SCRATCH_LOG.format(at="2026-11-28 21:00:00,000")
+        + "INFO:2026-11-28 21:30:00,000:Saving checkpoint to /ckpt/global_step_2\n"
+        + SCRATCH_LOG.format(at=START)
+    )
+    log = tmp_path / "trainer.log"
+    log.write_text(log_text)
+    result = CliRunner().invoke(main, ["analyze", "--json", str(log)])
+    records = json.loads(result.stdout)["records"]
+    assert [r["step_regressions"] for r in records] == [[], [{"step": 0, "newer_step": 2, "reason": "unknown"}]]

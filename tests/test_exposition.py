@@ -25,11 +25,13 @@ from tqmon.snapshot import (
     Disagreement,
     Evidence,
     OTLPView,
+    RegressionReason,
     ResumeRecord,
     RunInfo,
     Snapshot,
     SourceHealth,
     StateHealth,
+    StepRegression,
     Tally,
     TQPollView,
     WarmupOutcome,
@@ -73,6 +75,7 @@ def full_snapshot(now: float = NOW) -> Snapshot:
             wasted_rollouts=24,
             lost_prompt_groups=0,
         ),
+        step_regressions=(StepRegression(40, 45, RegressionReason.LATEST_FILE_STALE),),
     )
     return Snapshot(
         built_at=now,

@@ -20,6 +20,7 @@ from mixin.rules import RULES_FILE
 from tqmon import rules
 from tqmon.catalog import BY_NAME, SOURCES
 from tqmon.cli import main
+from tqmon.snapshot import RegressionReason
 
 RUNBOOKS = Path(__file__).resolve().parent.parent / "docs" / "runbooks"
 INSTANCE = "trainer-0:9842"
@@ -322,6 +323,21 @@ CASES = [
         "trainer-0:9842 resumed from a checkpoint without transfer_queue/: the saved prefetch window"
         " (tqmon_resume_lost_prompt_groups) was not restored and the warmup regenerated it from scratch.",
         {**TARGET_LABELS, "state": "lost_window"},
+    ),
+    Case(
+        "TQMonResumeStepRegression",
+        {
+            **{s("tqmon_resume_step_regression_steps", reason=r): "0x240" for r in RegressionReason},
+            s("tqmon_resume_step_regression_steps", reason="latest_file_missing"): "0x2 45x238",
+        },
+        "2m",
+        "5m",
+        "130m",
+        "warning",
+        "The last start went back in steps, or counted a step twice.",
+        "The last start of trainer-0:9842 went back 45 step(s) (latest_file_missing): it began older than a"
+        " checkpoint already saved, or logged a step again; /api/v1/status names both steps.",
+        {**TARGET_LABELS, "reason": "latest_file_missing"},
     ),
 ]
 

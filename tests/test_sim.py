@@ -47,7 +47,7 @@ from tqmon.service import Service, ServiceConfig
 from tqmon.sim.cli import sim
 from tqmon.sim.scenarios import CHECKPOINT_DIR, LOG_FILE, SCENARIOS, Scenario, TrainerSettings
 from tqmon.sim.trainer import CONTROLLER, SimReport, run_scenario
-from tqmon.snapshot import Snapshot, SourceName
+from tqmon.snapshot import RegressionReason, Snapshot, SourceName
 from tqmon.sources.tq import (
     ControllerClient,
     PollBudget,
@@ -159,6 +159,8 @@ class Expected:
             compared = self.disagreements.get(quantity, 0) if quantity in self.compared else None
             s[_series("tqmon_resume_source_disagreements", "quantity", quantity)] = compared
         s["tqmon_resume_lost_prompt_groups"] = self.lost
+        for reason in RegressionReason:  # every scenario resumes from its newest checkpoint and steps on once
+            s[_series("tqmon_resume_step_regression_steps", "reason", reason)] = 0
         return s
 
 

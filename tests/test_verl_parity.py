@@ -36,6 +36,7 @@ from tqmon.cli import main
 from tqmon.composition import compose
 from tqmon.events import StepCompleted
 from tqmon.integrations.verl import TqmonAgentLoopManager, plugin
+from tqmon.snapshot import RegressionReason
 
 pytestmark = pytest.mark.parity
 
@@ -459,6 +460,9 @@ def test_tqmon_matches_verl(
     assert split == (None if case.step is None else 0)
     # No window lost: 0 after a resume (verl reported its restore); a fresh start has no cost, so no series.
     assert gauge(metrics, "tqmon_resume_lost_prompt_groups") == (0 if record["resumed"] else None)
+    # verl resumed from the checkpoint it saved last (or started a run with none) and counted each step once.
+    assert record["step_regressions"] == []
+    assert [gauge(metrics, "tqmon_resume_step_regression_steps", reason=r) for r in RegressionReason] == [0] * 5
     if not verl.logged:  # the warmup is off: verl defines no T, so nothing is over-restored or missing
         assert (record["target"], record["over_restored"], record["under_submitted"]) == (None, None, None)
         for name in ("target", "over_restored", "under_submitted"):

@@ -10,7 +10,7 @@ import enum
 from dataclasses import dataclass
 
 from tqmon.judge import QUANTITIES
-from tqmon.snapshot import PLUGIN_WINDOW_READERS, SourceName
+from tqmon.snapshot import PLUGIN_WINDOW_READERS, RegressionReason, SourceName
 from tqmon.versions import VERSION_SOURCES
 from tqmon.warmup import DOOM_REASONS, PARTITIONS, PROMPT_STATUSES, SEMANTICS, WarmupState
 
@@ -522,6 +522,23 @@ CATALOG: tuple[MetricSpec, ...] = (
         " lost_window): the last live window seen before the restart, or the previous checkpoint's composition;"
         " 0 when the resume restored its window (or keeps none).",
         "prompt_groups",
+    ),
+    MetricSpec(
+        "tqmon_resume_step_regression_steps",
+        MetricType.GAUGE,
+        "Steps the last start went back, by why (0: none): the newest step saved before it (a global_step_N folder"
+        " or a trainer's save) minus the step it began at (0 for a fresh start), and steps logged twice since;"
+        " /api/v1/status has both steps in the record's step_regressions and evidence.",
+        "steps",
+        (
+            Label(
+                "reason",
+                tuple(RegressionReason),
+                "`latest_file_missing` (no latest_checkpointed_iteration.txt), `latest_file_stale` (it names an"
+                " older step), `resume_choice` (verl loaded another: trainer.resume_mode/resume_from_path),"
+                " `unknown` (no checkpoint dir watched, or its latest file changed since), `step_repeated`.",
+            ),
+        ),
     ),
 )
 

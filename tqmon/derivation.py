@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 
+from tqmon.checkpoint.layout import LATEST_FILE, STEP_DIR
 from tqmon.cost import CostInputs, resume_cost
 from tqmon.events import CheckpointSaved, GroupCount, restored_groups, status_counts
 from tqmon.judge import (
@@ -26,7 +27,15 @@ from tqmon.judge import (
     terminal_groups,
     window_bounds,
 )
-from tqmon.snapshot import Claim, Evidence, ResumeRecord, SourceName
+from tqmon.snapshot import (
+    CheckpointListing,
+    Claim,
+    Evidence,
+    RegressionReason,
+    ResumeRecord,
+    SourceName,
+    StepRegression,
+)
 from tqmon.versions import VerlVersion
 from tqmon.warmup import (
     CURRENT,
@@ -102,6 +111,11 @@ class Observed:
     loop_started_at: float | None = None  # the re-issue or warmup line: verl's step loop starts right after
     first_step_seconds: float | None = None  # the first step's own duration (timing_s/step)
 
+    # Step regressions (verl #7952, #7933): the newest step a trainer source said it saved before this start
+    # opened (the value), and each step logged again since (the claim) with the newest step logged before it.
+    last_saved_before: Claim | None = None
+    repeated_steps: list[tuple[Claim, int]] = field(default_factory=list)
+
     def claim(self, quantity: str, source: str, value: int, at: float, event_id: str) -> None:
         self.claims.setdefault(quantity, []).append(Claim(source, value, at, event_id))
 
@@ -139,13 +153,15 @@ def derive_record(
     semantics: Semantics | None = None,
     loaded: SavedCheckpoint | None = None,
     previous: SavedCheckpoint | None = None,
+    listing: CheckpointListing | None = None,
 ) -> ResumeRecord:
     """Compute T, M expected, O, the over-fill, doomed, the deficit and the warmup state from what was observed.
 
     ``semantics`` is the warmup of the verl version tqmon knows (:mod:`tqmon.versions`); what this start's own
     log line or counts betray wins over it, and without either it is 0.9.1's.
     ``loaded`` is the composition of the checkpoint this start loaded, ``previous`` the newest one before it
-    that held TQ state: the sources :mod:`tqmon.judge` checks the others against.
+    that held TQ state: the sources :mod:`tqmon.judge` checks the others against. ``listing`` is the checkpoint
+    dir as last listed: the start's step is compared with the newest ``global_step_N`` saved before it.
     """
     restored = obs.restored
     if restored is None and config is not None and not restores_tq(config):
@@ -217,6 +233,8 @@ def derive_record(
     elif restored is not None:
         by_status = {"unknown": restored}
 
+    regressions, regression_evidence = step_regressions(obs, listing)
+    evidence = [*evidence, *regression_evidence]
     return ResumeRecord(
         index=obs.index,
         resumed=obs.resumed,
@@ -257,6 +275,67 @@ def derive_record(
             resumed=obs.resumed,
             lost_prompt_groups=_lost_groups(obs, previous) if window_lost else _nothing_lost(obs, keeps_window),
         ),
+        step_regressions=regressions,
+    )
+
+
+def step_regressions(
+    obs: Observed, listing: CheckpointListing | None
+) -> tuple[tuple[StepRegression, ...], list[Evidence]]:
+    """A start older than a step already saved (verl #7952: no latest file, ``resume_mode=auto`` starts from 0
+    while checkpoints exist), and the steps logged twice since (verl #7933), each with the evidence for it.
+
+    Saved before the start means a trainer's save seen before it opened, or a ``global_step_N`` folder written
+    before it began (its mtime): the start's own saves never count against it.
+    """
+    step = obs.checkpoint_step if obs.resumed and obs.checkpoint_step is not None else 0
+    found: list[StepRegression] = []
+    evidence: list[Evidence] = []
+    folders = [(n, at) for n, at in listing.steps if at < obs.started_at] if listing is not None else []
+    newest_folder = max(folders, default=None)
+    saved = obs.last_saved_before
+    candidates = [*([newest_folder[0]] if newest_folder else []), *([saved.value] if saved else [])]
+    newer = max(candidates, default=None)
+    if newer is not None and newer > step:
+        reason, why = _regression_reason(obs, step, newer, listing)
+        found.append(StepRegression(step, newer, reason))
+        if newest_folder is not None:
+            n, at = newest_folder
+            evidence.append(
+                Evidence(SourceName.CHECKPOINT, "checkpoint_dir_listed", "", at, f"{STEP_DIR.format(n)} saved before")
+            )
+        if saved is not None:
+            evidence.append(
+                Evidence(saved.source, "checkpoint_saved", saved.event_id, saved.at, f"saved step {saved.value} before")
+            )
+        began = f"resumed from step {step}" if obs.resumed else "started from scratch (step 0)"
+        detail = f"step regression: {began} while step {newer} was saved: {why}"
+        evidence.append(Evidence(INFERENCE, "step_regression", "", obs.started_at, detail))
+    for claim, before in obs.repeated_steps:
+        found.append(StepRegression(claim.value, before, RegressionReason.STEP_REPEATED))
+        detail = f"step {claim.value} logged again after step {before}: counted twice"
+        evidence.append(Evidence(claim.source, "step_completed", claim.event_id, claim.at, detail))
+    return tuple(found), evidence
+
+
+def _regression_reason(
+    obs: Observed, step: int, newer: int, listing: CheckpointListing | None
+) -> tuple[RegressionReason, str]:
+    """Why verl began at ``step`` while ``newer`` was saved, from the latest file as it was at the start."""
+    if listing is None:
+        return RegressionReason.UNKNOWN, "the checkpoint dir is not watched (--checkpoint-dir)"
+    if listing.latest_error is not None:
+        return RegressionReason.UNKNOWN, listing.latest_error
+    if listing.latest is None:
+        return RegressionReason.LATEST_FILE_MISSING, f"{LATEST_FILE} is missing (verl's resume_mode=auto starts fresh)"
+    if listing.latest_at is not None and listing.latest_at >= obs.started_at:
+        return RegressionReason.UNKNOWN, f"{LATEST_FILE} was rewritten since the start (it names {listing.latest} now)"
+    if listing.latest < newer and listing.latest == step and obs.resumed:
+        return RegressionReason.LATEST_FILE_STALE, f"{LATEST_FILE} is stale: it names {step}, not {newer}"
+    named = f" ({obs.checkpoint_path})" if obs.checkpoint_path else ""
+    return (
+        RegressionReason.RESUME_CHOICE,
+        f"{LATEST_FILE} names {listing.latest}, verl loaded another{named}: trainer.resume_mode/resume_from_path",
     )
 
 

@@ -16,11 +16,11 @@ from datetime import datetime, tzinfo
 from pathlib import Path
 from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 
-from tqmon.checkpoint.layout import STEP_DIR, read_checkpoint
+from tqmon.checkpoint.layout import STEP_DIR, listing, read_checkpoint
 from tqmon.checkpoint.unpickler import CheckpointError
 from tqmon.events import Event
 from tqmon.service import SOURCES, ServiceConfig
-from tqmon.snapshot import ResumeRecord, SourceName
+from tqmon.snapshot import CheckpointListing, ResumeRecord, SourceName
 from tqmon.sources.logfile import parse_chunk, parse_jsonl, read_lines
 from tqmon.sources.logparse import LOG_HEADER, clean, parse_line
 from tqmon.store import StateStore
@@ -159,13 +159,14 @@ class Reading:
     events: list[Event] = field(default_factory=list)
     malformed: int = 0
     notes: list[str] = field(default_factory=list)
+    listing: CheckpointListing | None = None  # the checkpoint dir's folders and latest file
 
 
 def _read_checkpoints(config: ServiceConfig, _zone: LogZone) -> Reading:
     assert config.checkpoint_dir is not None
     metric = config.trainer.config.dapo_metric if config.trainer is not None else None
     events, notes = checkpoint_events(config.checkpoint_dir, metric)
-    return Reading(events, 0, notes)
+    return Reading(events, 0, notes, listing(config.checkpoint_dir))
 
 
 def _read_logs(config: ServiceConfig, zone: LogZone) -> Reading:
@@ -212,6 +213,8 @@ def analyze(
             continue
         reading = read(config, zone)
         tracker.register_source(spec.name, stale_after=None)
+        if reading.listing is not None:
+            tracker.observe_checkpoint_listing(reading.listing)
         tracker.ingest(reading.events, spec.name)
         malformed += reading.malformed
         notes += reading.notes

@@ -39,6 +39,7 @@ from tqmon.judge import has_tq_dir, in_order
 from tqmon.snapshot import (
     PUSHED_SOURCE,
     UNTIMED_SOURCE,
+    CheckpointListing,
     CheckpointView,
     Claim,
     Evidence,
@@ -102,12 +103,15 @@ class Reconciler:
         # it, not the trainer's "saved" events, is what ``checkpoint`` shows, rollbacks and deletions included.
         self._directory: tuple[CheckpointSaved | None] | None = None
         self._restart_hint: Evidence | None = None  # a restart sign no start has claimed yet
+        self.listing: CheckpointListing | None = None  # the checkpoint dir's folders and latest file, last listed
         self._step_seconds: deque[float] = deque(maxlen=STEP_RATE_WINDOW)
         self._compositions: dict[int, SavedCheckpoint] = {}  # step -> a checkpoint's composition
         self._last_train_window: Claim | None = None  # never dropped: a lost window's size after a restart
         # Since the open start began: the last step the trainer completed and saved, and its last timed event.
         self._step_completed: int | None = None
         self._step_saved: int | None = None
+        self._saved_claim: Claim | None = None  # the newest of those saves, as its source reported it
+        self._logged: dict[str, int] = {}  # source -> the newest step it logged since the open start began
         self._last_activity: float | None = None
         self._event_time: float | None = None  # trainer_time of the event being applied
         self._versions: dict[VersionSource, VerlVersion] = {v.source: v for v in versions if v.source is not None}
@@ -228,6 +232,7 @@ class Reconciler:
                 evidence_of.loop_started_at = _latest(evidence_of.loop_started_at, self._event_time)
             case StepCompleted():
                 self.trainer_step = event.global_step
+                self._check_repeat(event, source, at)
                 # The log's console line and the JSONL report the same step: its duration counts once.
                 repeated = self._step_completed is not None and event.global_step <= self._step_completed
                 self._step_completed = max(event.global_step, self._step_completed or 0)
@@ -298,6 +303,8 @@ class Reconciler:
         if source != UNTIMED_SOURCE:  # the checkpoint dir may hold an older run's checkpoint
             self.trainer_step = event.step
             self._step_saved = max(event.step, self._step_saved or 0)
+            if self._saved_claim is None or event.step > self._saved_claim.value:
+                self._saved_claim = Claim(source, event.step, at, event.id)
         current = self.checkpoint
         bare = event.status_counts() is None
         if not bare:
@@ -317,6 +324,28 @@ class Reconciler:
         rolled back to a deleted step, unreadable). Unlike trainer events this may step back."""
         self._directory = (event,)
         self._derive_checkpoint()
+
+    def observe_checkpoint_listing(self, listing: CheckpointListing) -> None:
+        """The checkpoint dir's ``global_step_N`` folders and latest file as listed now: the newest start's step
+        is compared with the folders written before it (tqmon.derivation.step_regressions)."""
+        if listing != self.listing:
+            self.listing = listing
+            self._rederive()
+
+    def _check_repeat(self, event: StepCompleted, source: str, at: float) -> None:
+        """A step the open start already counted: logged again by the same source, or not newer than the
+        checkpoint it resumed from (verl steps on from N + 1). Another source's report of a step is not one."""
+        obs = self._observed
+        if obs is None:
+            return
+        done = [self._logged[source]] if source in self._logged else []
+        if obs.resumed and obs.checkpoint_step is not None:
+            done.append(obs.checkpoint_step)
+        newest = max(done, default=None)
+        self._logged[source] = max(event.global_step, self._logged.get(source, 0))
+        if newest is not None and event.global_step <= newest:
+            obs.repeated_steps.append((Claim(source, event.global_step, at, event.id), newest))
+            self._rederive()
 
     def _set_run(self, run: RunInfo, config: TrainerConfig) -> None:
         self.run = run
@@ -346,8 +375,10 @@ class Reconciler:
             first_line_at=self._event_time,
             last_step_before=None if self._step_completed is None else max(self._step_completed, self._step_saved or 0),
             last_activity_before=self._last_activity,
+            last_saved_before=self._saved_claim,
         )
-        self._step_completed = self._step_saved = None
+        self._step_completed = self._step_saved = self._saved_claim = None
+        self._logged = {}
         claim = self._restart_hint
         if claim is not None and abs(at - claim.at) <= RESTART_CLAIM_SECONDS:
             new.evidence.append(claim)
@@ -403,7 +434,7 @@ class Reconciler:
         completed = with_checkpoint(obs, saved, self.warmup_config)
         before = self._before(obs.checkpoint_step)
         semantics = self.verl_version.semantics
-        record = derive_record(completed, self.warmup_config, previous, semantics, saved, before)
+        record = derive_record(completed, self.warmup_config, previous, semantics, saved, before, self.listing)
         if obs.index < len(self.records):  # once compared, a quantity keeps its verdict: its series falls back to 0
             record = replace(record, compared=in_order([*self.records[obs.index].compared, *record.compared]))
         return record

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from datetime import UTC, datetime
 
-from tqmon.snapshot import ResumeRecord
+from tqmon.snapshot import RegressionReason, ResumeRecord, StepRegression
 from tqmon.warmup import WarmupState, unknown_doom_reasons
 
 
@@ -16,6 +16,7 @@ def verdict(record: ResumeRecord) -> str:
     if record.warmup_state is WarmupState.LOST_WINDOW:
         lost = "unknown" if record.cost.lost_prompt_groups is None else str(record.cost.lost_prompt_groups)
         problems.append(f"LOST WINDOW: resumed without transfer_queue/ ({lost} prompt groups lost, all re-generated)")
+    problems += [f"STEP REGRESSION: {describe_regression(r)}" for r in record.step_regressions]
     if record.disagreements:
         problems.append("sources disagree: " + "; ".join(d.describe() for d in record.disagreements))
     if record.warmup_state is WarmupState.LEGACY_UNCONDITIONAL:
@@ -36,6 +37,13 @@ def verdict(record: ResumeRecord) -> str:
     if record.warmup_state is WarmupState.UNKNOWN:
         return "incomplete: warmup decision not seen"
     return "ok" + caveat
+
+
+def describe_regression(regression: StepRegression) -> str:
+    """``began at step 0, step 45 was saved (latest_file_missing)`` or ``step 41 logged again after step 41``."""
+    if regression.reason is RegressionReason.STEP_REPEATED:
+        return f"step {regression.step} logged again after step {regression.newer_step} (counted twice)"
+    return f"began at step {regression.step}, step {regression.newer_step} was saved ({regression.reason})"
 
 
 def deficit(record: ResumeRecord) -> str:

@@ -21,6 +21,7 @@ from typing import Any
 import yaml
 
 from tqmon.catalog import BY_NAME
+from tqmon.report import describe_regression
 from tqmon.snapshot import ResumeRecord, Snapshot
 from tqmon.warmup import TRAIN, WarmupState
 
@@ -250,6 +251,15 @@ def _over_submitted(snapshot: Snapshot, now: float, config: RuleConfig) -> Check
     if record.submitted is None or record.expected is None:
         return False, "warmup submission not known yet"
     return record.submitted - record.expected > 0, f"submitted {record.submitted}, expected {record.expected}"
+
+
+def _step_regression(snapshot: Snapshot, now: float, config: RuleConfig) -> Check:
+    record = _recent(snapshot, now, config)
+    if record is None:
+        return False, _no_recent_start(snapshot)
+    if not record.step_regressions:
+        return False, "no step regression"
+    return True, "; ".join(describe_regression(r) for r in record.step_regressions)
 
 
 def _in_state(state: WarmupState) -> Predicate:
@@ -511,6 +521,16 @@ def alerts(config: RuleConfig) -> list[Alert]:
             "{{ $labels.instance }} resumed from a checkpoint without transfer_queue/: the saved prefetch window"
             " (tqmon_resume_lost_prompt_groups) was not restored and the warmup regenerated it from scratch.",
             _in_state(WarmupState.LOST_WINDOW),
+        ),
+        Alert(
+            "TQMonResumeStepRegression",
+            f"{m('tqmon_resume_step_regression_steps')} > 0\nand ignoring (reason) {recent}",
+            config.decision_for,
+            "warning",
+            "The last start went back in steps, or counted a step twice.",
+            "The last start of {{ $labels.instance }} went back {{ $value }} step(s) ({{ $labels.reason }}): it"
+            " began older than a checkpoint already saved, or logged a step again; /api/v1/status names both steps.",
+            _step_regression,
         ),
     ]
 

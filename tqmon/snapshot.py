@@ -80,6 +80,41 @@ class Disagreement:
         return f"{self.quantity}: {said} ({self.tolerance})"
 
 
+class RegressionReason(enum.StrEnum):
+    """Why a start's step went back (the ``reason`` of tqmon_resume_step_regression_steps)."""
+
+    LATEST_FILE_MISSING = "latest_file_missing"  # no latest_checkpointed_iteration.txt: verl started from scratch
+    LATEST_FILE_STALE = "latest_file_stale"  # it named an older global_step_N than the newest saved
+    RESUME_CHOICE = "resume_choice"  # verl did not load what the latest file named: resume_mode/resume_from_path
+    UNKNOWN = "unknown"  # the checkpoint dir is not watched, or its latest file changed since the start
+    STEP_REPEATED = "step_repeated"  # a step logged again within one start (counted twice)
+
+
+@dataclass(frozen=True, slots=True)
+class StepRegression:
+    """A start that began older than a step already saved, or a step logged twice: both steps and why."""
+
+    step: int  # the step the start began at (0 for a fresh start), or the step logged again
+    newer_step: int  # the newest step saved before the start, or the newest step logged before the repeat
+    reason: RegressionReason
+
+    @property
+    def steps(self) -> int:
+        """Steps of progress thrown away (a start) or counted twice (a repeat)."""
+        return self.newer_step - self.step + (self.reason is RegressionReason.STEP_REPEATED)
+
+
+@dataclass(frozen=True, slots=True)
+class CheckpointListing:
+    """The checkpoint dir's ``global_step_N`` folders and its latest file, as the checkpoint source listed them:
+    what a start's step is compared with. Times are the folders' and the file's mtimes."""
+
+    steps: tuple[tuple[int, float], ...]  # (N, when global_step_N was written), ascending N
+    latest: int | None  # the step latest_checkpointed_iteration.txt names; None: missing or unreadable
+    latest_at: float | None  # its mtime; None: missing
+    latest_error: str | None = None  # why it could not be read (None: read, or missing)
+
+
 @dataclass(frozen=True, slots=True)
 class ResumeRecord:
     """One trainer start (a resume from global_step_N, or a fresh start) and what its warmup did."""
@@ -114,6 +149,8 @@ class ResumeRecord:
     # The quantities two claims were ever given for (tqmon.judge.QUANTITIES order); only these have a verdict.
     compared: tuple[str, ...] = ()
     cost: ResumeCost = field(default_factory=ResumeCost)  # what the resume cost; all unknown for a fresh start
+    # The start began older than a step already saved, and steps logged twice since (empty: none seen).
+    step_regressions: tuple[StepRegression, ...] = ()
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)

@@ -17,7 +17,16 @@ from typing import TypeGuard
 from tqmon import __version__
 from tqmon.events import CheckpointSaved, Event, WindowObserved
 from tqmon.reconcile import Reconciler
-from tqmon.snapshot import Evidence, Snapshot, SourceHealth, SourceName, Tally, TQPollView, WindowView
+from tqmon.snapshot import (
+    CheckpointListing,
+    Evidence,
+    Snapshot,
+    SourceHealth,
+    SourceName,
+    Tally,
+    TQPollView,
+    WindowView,
+)
 from tqmon.store import PRUNED_RESUMES, StateStore
 from tqmon.versions import VerlVersion
 from tqmon.warmup import GivenConfig
@@ -257,6 +266,13 @@ class Tracker:
         series follow it, back to an older step or away. Not persisted: the source reads again at start."""
         with self._lock:
             self._state.observe_checkpoint_dir(event)
+            self._publish()
+
+    def observe_checkpoint_listing(self, listing: CheckpointListing) -> None:
+        """The checkpoint dir's folders and latest file as listed now, for the step regression of the newest
+        start. Not persisted: the source lists again at start, and the folders' mtimes date them."""
+        with self._lock:
+            self._state.observe_checkpoint_listing(listing)
             self._publish()
 
     def restart_hint(self, evidence: Evidence) -> None:

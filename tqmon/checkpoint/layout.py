@@ -25,6 +25,7 @@ from tqmon.checkpoint.storage import FilterVerdicts, filter_verdicts, with_verdi
 from tqmon.checkpoint.unpickler import TRUNCATED, CheckpointError, PartitionState, restricted_load
 from tqmon.composition import EMPTY, Composition, CompositionError, Progress, ProgressFactory, compose
 from tqmon.events import CheckpointSaved
+from tqmon.snapshot import CheckpointListing
 from tqmon.warmup import TQ_DIR, TRAIN
 
 LATEST_FILE = "latest_checkpointed_iteration.txt"
@@ -339,6 +340,36 @@ def saved_steps(root: Path) -> list[int]:
     except OSError:
         return []
     return sorted(int(match[1]) for name in names if (match := STEP_PATTERN.fullmatch(name)))
+
+
+def listing(root: Path) -> CheckpointListing:
+    """Every ``global_step_N`` with its folder's mtime, and what the latest file names: cheap (one scandir and a
+    few stats), so the checkpoint source lists the dir every poll even when verl never wrote the latest file."""
+    steps: list[tuple[int, float]] = []
+    try:
+        entries = list(os.scandir(root))
+    except OSError:
+        entries = []
+    for entry in entries:
+        match = STEP_PATTERN.fullmatch(entry.name)
+        try:
+            if match is not None and entry.is_dir():
+                steps.append((int(match[1]), entry.stat().st_mtime))
+        except OSError:
+            continue  # deleted while listed
+    latest: int | None = None
+    latest_at: float | None = None
+    error: str | None = None
+    try:
+        latest = latest_step(root)
+        latest_at = (root / LATEST_FILE).stat().st_mtime
+    except NoCheckpointYet:
+        latest = None
+    except CheckpointError as err:
+        error = str(err)
+    except OSError as err:  # removed between the read and the stat
+        latest, error = None, f"{root / LATEST_FILE}: {err.strerror or err}"
+    return CheckpointListing(tuple(sorted(steps)), latest, latest_at, error)
 
 
 def resolve(path: Path) -> tuple[Path, int | None]:

@@ -13,7 +13,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from datetime import UTC, datetime
 
 from tqmon.conditions import Condition, ConditionState, evaluate
-from tqmon.report import verdict
+from tqmon.report import describe_regression, verdict
 from tqmon.snapshot import CheckpointView, Evidence, ResumeRecord, Snapshot, SourceHealth, Tally, WindowView
 from tqmon.versions import VerlVersion
 from tqmon.warmup import DOOM_REASONS, PROMPT_STATUSES, TRAIN, WarmupState, doomed_complete, unknown_doom_reasons
@@ -262,6 +262,10 @@ def _story(record: ResumeRecord) -> str:
         lines.append(
             f"<b class='flag'>Its checkpoint held no transfer_queue/</b>: the saved window was lost ({lost} prompt"
             " groups) and the warmup re-generated it."
+        )
+    for regression in record.step_regressions:  # the evidence below says why, with both steps' sources
+        lines.append(
+            f"<b class='flag' data-k='step-regression'>Step regression</b>: {_e(describe_regression(regression))}."
         )
     disagreed = {disagreement.quantity for disagreement in record.disagreements}
     agreed = [quantity for quantity in record.compared if quantity not in disagreed]

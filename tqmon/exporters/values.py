@@ -5,11 +5,12 @@ Known-empty values are exported as 0; values no source has established are omitt
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 
 from tqmon.catalog import BY_NAME, OTLP_SIGNALS, STATE_WRITE_FAILURE_REASONS, MetricSpec
-from tqmon.snapshot import TALLY_OWNERS, Snapshot, Tally
+from tqmon.snapshot import TALLY_OWNERS, RegressionReason, ResumeRecord, Snapshot, Tally
 from tqmon.warmup import PROMPT_STATUSES
 
 Labels = tuple[str, ...]
@@ -50,6 +51,14 @@ def _stateset(spec: MetricSpec, current: str) -> list[Series]:
 
 def _opt(value: float | None) -> list[Series]:
     return [] if value is None else [Series((), value)]
+
+
+def _regressions(record: ResumeRecord) -> list[Series]:
+    """Every reason, 0 where none was found, so an alert sees a regression resolve rather than vanish."""
+    steps = Counter[str]()
+    for regression in record.step_regressions:
+        steps[regression.reason] += regression.steps
+    return [Series((reason,), steps[reason]) for reason in RegressionReason]
 
 
 def _counter(spec: MetricSpec, snapshot: Snapshot, sources: tuple[str, ...]) -> list[Series]:
@@ -135,6 +144,7 @@ def metric_values(snapshot: Snapshot, now: float) -> Iterator[tuple[MetricSpec, 
             "tqmon_resume_time_to_first_step_seconds": _opt(record.cost.time_to_first_step_seconds),
             "tqmon_resume_wasted_rollouts": _opt(record.cost.wasted_rollouts),
             "tqmon_resume_lost_prompt_groups": _opt(record.cost.lost_prompt_groups),
+            "tqmon_resume_step_regression_steps": _regressions(record),
         }
     if checkpoint is not None:
         values |= {

@@ -9,7 +9,7 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from tqmon.checkpoint.layout import LATEST_FILE, STEP_DIR, NoCheckpointYet, read_checkpoint, signature
+from tqmon.checkpoint.layout import LATEST_FILE, STEP_DIR, NoCheckpointYet, listing, read_checkpoint, signature
 from tqmon.checkpoint.unpickler import CheckpointError
 from tqmon.snapshot import SourceName, Tally
 from tqmon.sources.polling import PollingLoop
@@ -47,6 +47,7 @@ class CheckpointSource:
         yet is not (unless this process read one here before: then they were deleted). Storage units it cannot
         read are counted once per checkpoint; the composition stands."""
         started = time.monotonic()
+        self.tracker.observe_checkpoint_listing(listing(self.checkpoint_dir))  # even without a latest file
         current = signature(self.checkpoint_dir)
         if current != self._seen:
             self._seen, self._error, self._filter_error = None, None, None  # read again if this read dies of a bug
