@@ -5,7 +5,9 @@ Each scenario runs on a real TransferQueue in a local Ray while an in-process tq
 checkpoint dir and the live TQ (``tests.test_sim.watched``, shared with tests/test_sim.py). The snapshots tqmon
 published once a second, and its last one later on (when the window and the sources go stale, the trainer falls
 silent and the start leaves the resume alerts' window), are rendered by the exporter as ``/metrics`` renders them
-and fed to the real promtool, a test file per scenario, all in one run. The rules are rendered with every
+and fed to the real promtool, a test file per scenario, all in one run. One more timeline is folded from verl's
+own log lines: a trainer that saved step 2 and then started from scratch (verl #7952), which no simulator
+scenario does. The rules are rendered with every
 ``for:`` at 0s, so an alert fires at exactly the evaluations where its expression holds; at each point promtool
 must find firing exactly the alerts whose Python condition holds on the same snapshot at the same ``now``: under
 the shipped thresholds, and under thresholds a simulated run crosses (the seconds a restarting trainer pauses,
@@ -21,7 +23,9 @@ from __future__ import annotations
 import math
 import re
 import subprocess
+import time
 from dataclasses import fields, replace
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -36,7 +40,7 @@ from tqmon.catalog import CATALOG
 from tqmon.conditions import ConditionState, evaluate
 from tqmon.exporters.prometheus import build_registry, render
 from tqmon.sim.scenarios import SCENARIOS
-from tqmon.snapshot import Snapshot
+from tqmon.snapshot import Snapshot, SourceName
 
 # Every `for:` 0s: promtool fires what holds at each evaluation.
 AT_ONCE: dict[str, Any] = {f.name: "0s" for f in fields(rules.RuleConfig) if f.name.endswith("_for")}
@@ -54,6 +58,32 @@ CLOCKS = tuple(spec.name for spec in CATALOG if spec.name.endswith("_timestamp_s
 # the start out of the resume alerts' window.
 LATER = (240, 360, 660, SHIPPED.resume_window_seconds + 60)
 FIRING = 'group by (alertname) (ALERTS{alertstate="firing"})'
+
+
+def restarted_behind(tmp_path: Path) -> list[tuple[Snapshot, float]]:
+    """A trainer that saved global_step_2, then started from scratch: the log's own lines, folded as ``serve``
+    folds them, seen while the start is recent and once it has left the resume alerts' window."""
+    from tqmon.postmortem import LogZone, read_log
+    from tqmon.store import StateStore
+    from tqmon.tracker import Tracker
+
+    now = time.time()
+    at = [datetime.fromtimestamp(now + offset).strftime("%Y-%m-%d %H:%M:%S,000") for offset in (-600, -300, -60)]
+    log = tmp_path / "behind.log"
+    log.write_text(
+        f"INFO:{at[0]}:Training from scratch\n"
+        "step:1 - training/global_step:1 - timing_s/gen:2.5 - timing_s/step:10.0\n"
+        "step:2 - training/global_step:2 - timing_s/gen:2.5 - timing_s/step:10.0\n"
+        f"INFO:{at[1]}:Saving checkpoint to /ckpt/global_step_2\n"
+        f"INFO:{at[2]}:Training from scratch\n"
+    )
+    tracker = Tracker(StateStore(None))
+    tracker.register_source(SourceName.LOG, stale_after=None)
+    events, _ = read_log(str(log), LogZone.of(None))
+    tracker.ingest(events, SourceName.LOG)
+    snapshot = tracker.snapshot
+    assert [r.step_regressions for r in snapshot.records][-1], "the fold must flag the regression"
+    return [(snapshot, now + later) for later in (0, 5, 60, SHIPPED.resume_window_seconds + 60)]
 
 
 def timeline(run: Watched) -> list[tuple[Snapshot, float]]:
@@ -130,7 +160,7 @@ def test_every_alert_fires_in_promtool_exactly_when_its_python_condition_holds(
 ) -> None:
     runs = {name: watched(name, tmp_path_factory, cluster) for name in SCENARIOS}
     assert [name for name, run in runs.items() if run.snapshots[-1][1].resumes_total != 1] == []  # all resumed
-    points = {name: timeline(run) for name, run in runs.items()}
+    points = {name: timeline(run) for name, run in runs.items()} | {"restarted-behind": restarted_behind(tmp_path)}
     series = {name: input_series(moments) for name, moments in points.items()}
     files, verdicts = [], {}
     for label, config in CONFIGS.items():
