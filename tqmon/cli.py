@@ -354,9 +354,9 @@ def inspect_checkpoint(
     (--log, --verl-version or the installed verl; both warmups while it is unknown). Reads only.
     """
     from tqmon.checkpoint.layout import NoCheckpointYet, latest_step, read_checkpoint, resolve
-    from tqmon.checkpoint.preflight import inspected_version, preflight, render
+    from tqmon.checkpoint.preflight import preflight, render
     from tqmon.checkpoint.unpickler import CheckpointError
-    from tqmon.postmortem import NotATrainerLog
+    from tqmon.postmortem import NotATrainerLog, inspected_version
 
     root, resolved = resolve(checkpoint_dir)
     given = trainer.resolve()
@@ -389,7 +389,8 @@ def inspect_checkpoint(
 
 def _not_a_checkpoint_dir(root: Path) -> str:
     """What ``tqmon inspect`` expected of a dir without a checkpoint, and the path the user probably meant."""
-    from tqmon.checkpoint.layout import LATEST_FILE, checkpoint_dirs_below, saved_steps
+    from tqmon.checkpoint.layout import checkpoint_dirs_below, saved_steps
+    from tqmon.warmup import LATEST_FILE
 
     missing = f"{root} has no {LATEST_FILE}"
     candidates = checkpoint_dirs_below(root)

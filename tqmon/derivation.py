@@ -11,7 +11,6 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 
-from tqmon.checkpoint.layout import LATEST_FILE, STEP_DIR
 from tqmon.cost import CostInputs, resume_cost
 from tqmon.events import CheckpointSaved, GroupCount, restored_groups, status_counts
 from tqmon.judge import (
@@ -40,8 +39,10 @@ from tqmon.versions import VerlVersion
 from tqmon.warmup import (
     CURRENT,
     DOOM_REASONS,
+    LATEST_FILE,
     LEGACY,
     PROMPT_STATUSES,
+    STEP_DIR,
     LegacyWarmupFails,
     Semantics,
     WarmupConfig,

@@ -16,7 +16,7 @@ from datetime import datetime, tzinfo
 from pathlib import Path
 from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 
-from tqmon.checkpoint.layout import STEP_DIR, listing, read_checkpoint
+from tqmon.checkpoint.layout import listing, read_checkpoint
 from tqmon.checkpoint.unpickler import CheckpointError
 from tqmon.events import Event
 from tqmon.service import SOURCES, ServiceConfig
@@ -25,7 +25,8 @@ from tqmon.sources.logfile import parse_chunk, parse_jsonl, read_lines
 from tqmon.sources.logparse import LOG_HEADER, clean, parse_line
 from tqmon.store import StateStore
 from tqmon.tracker import Tracker
-from tqmon.warmup import GivenConfig
+from tqmon.versions import FLAG, VerlVersion, betrayed_by, choose, installed, named
+from tqmon.warmup import STEP_DIR, GivenConfig
 
 SNIFF_BYTES = 64 * 1024  # enough of a file to tell a binary or JSON file from a log
 
@@ -220,3 +221,12 @@ def analyze(
         notes += reading.notes
         applied += len(reading.events) if spec.name == SourceName.LOG else 0
     return PostMortem(tracker.snapshot.records, malformed, zone, applied, notes)
+
+
+def inspected_version(logs: Sequence[str], flag: str | None) -> VerlVersion:
+    """The verl release ``tqmon inspect`` predicts for: the trainer logs' own lines (the newest telling one), then
+    ``--verl-version``, then the verl installed next to tqmon; unknown without any."""
+    events, _ = in_time_order([(path, read_log(path, LogZone.of(None))[0]) for path in logs])
+    told = [version for version in map(betrayed_by, events) if version is not None]
+    flagged = None if flag is None else named(flag, "flag", FLAG)
+    return choose([told[-1] if told else None, flagged, installed()])

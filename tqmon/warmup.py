@@ -30,6 +30,8 @@ Partition = Literal["train", "val"]  # the TransferQueue partitions verl uses: t
 PARTITIONS: tuple[Partition, ...] = get_args(Partition)
 TRAIN: Partition = "train"  # the partition of the prefetch window; the only one the warmup fills
 TQ_DIR = "transfer_queue"  # the folder of a checkpoint that holds TransferQueue's state
+STEP_DIR = "global_step_{}"  # a checkpoint's folder under trainer.default_local_dir
+LATEST_FILE = "latest_checkpointed_iteration.txt"  # names the step resume_mode=auto resumes from
 SkipReason = Literal["window_full", "sync_mode", "skip_rollout_tq", "non_positive_warmup"]
 # The warmup a verl release runs at a resume: 0.9.1's top-up of max(0, T - R), or 0.9.0's num_warmup_batches whole
 # batches on top of the restore. Newest first: the order a prediction shows both in when the version is unknown.

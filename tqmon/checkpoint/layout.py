@@ -26,10 +26,8 @@ from tqmon.checkpoint.unpickler import TRUNCATED, CheckpointError, PartitionStat
 from tqmon.composition import EMPTY, Composition, CompositionError, Progress, ProgressFactory, compose
 from tqmon.events import CheckpointSaved
 from tqmon.snapshot import CheckpointListing
-from tqmon.warmup import TQ_DIR, TRAIN
+from tqmon.warmup import LATEST_FILE, STEP_DIR, TQ_DIR, TRAIN
 
-LATEST_FILE = "latest_checkpointed_iteration.txt"
-STEP_DIR = "global_step_{}"
 STEP_PATTERN = re.compile(r"global_step_(\d+)")
 METADATA_FILE = "metadata.json"
 CONTROLLER_FILE = "controller_state.pkl"

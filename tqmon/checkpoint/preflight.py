@@ -2,20 +2,22 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any, TypeVar
 
-from tqmon.checkpoint.layout import LATEST_FILE, STEP_DIR, CheckpointReading
+from tqmon.checkpoint.layout import CheckpointReading
 from tqmon.checkpoint.storage import FilterVerdicts
 from tqmon.derivation import predict_resumes
 from tqmon.report import deficit
 from tqmon.snapshot import ResumeRecord
-from tqmon.versions import FLAG, VerlVersion, betrayed_by, choose, installed, named
+from tqmon.versions import VerlVersion
 from tqmon.warmup import (
     DOOM_REASONS,
+    LATEST_FILE,
     LEGACY,
+    STEP_DIR,
     TQ_DIR,
     LegacyWarmupFails,
     WarmupConfig,
@@ -283,17 +285,6 @@ def preflight(
     event = reading.to_event()
     records = predict_resumes(event, composition.reissued, composition.inflight_trajectories, config, version)
     return Preflight(reading, config, records, version, chosen_by, latest)
-
-
-def inspected_version(logs: Sequence[str], flag: str | None) -> VerlVersion:
-    """The verl release ``tqmon inspect`` predicts for: the trainer logs' own lines (the newest telling one), then
-    ``--verl-version``, then the verl installed next to tqmon; unknown without any."""
-    from tqmon.postmortem import LogZone, in_time_order, read_log
-
-    events, _ = in_time_order([(path, read_log(path, LogZone.of(None))[0]) for path in logs])
-    told = [version for version in map(betrayed_by, events) if version is not None]
-    flagged = None if flag is None else named(flag, "flag", FLAG)
-    return choose([told[-1] if told else None, flagged, installed()])
 
 
 def _warmup_phrase(result: Preflight, record: ResumeRecord, *, would: bool) -> str:

@@ -9,11 +9,12 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from tqmon.checkpoint.layout import LATEST_FILE, STEP_DIR, NoCheckpointYet, listing, read_checkpoint, signature
+from tqmon.checkpoint.layout import NoCheckpointYet, listing, read_checkpoint, signature
 from tqmon.checkpoint.unpickler import CheckpointError
 from tqmon.snapshot import SourceName, Tally
 from tqmon.sources.polling import PollingLoop
 from tqmon.tracker import Tracker
+from tqmon.warmup import LATEST_FILE, STEP_DIR
 
 
 class CheckpointSource:
