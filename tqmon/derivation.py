@@ -26,7 +26,7 @@ from tqmon.judge import (
     terminal_groups,
     window_bounds,
 )
-from tqmon.snapshot import Claim, Evidence, ResumeRecord, SourceName
+from tqmon.snapshot import Claim, Evidence, ResumeRecord, SelfHeal, SourceName
 from tqmon.warmup import (
     DOOM_REASONS,
     PROMPT_STATUSES,
@@ -96,6 +96,12 @@ class Observed:
     last_activity_before: float | None = None  # the last timed trainer event before the stop
     loop_started_at: float | None = None  # the re-issue or warmup line: verl's step loop starts right after
     first_step_seconds: float | None = None  # the first step's own duration (timing_s/step)
+    self_heal: SelfHeal | None = None  # the plugin's top-up after the warmup (self_heal_decided)
+
+    @property
+    def topped_up(self) -> int:
+        """Fresh groups the plugin's self-heal submitted after the warmup: they count in M."""
+        return self.self_heal.submitted if self.self_heal is not None else 0
 
     def claim(self, quantity: str, source: str, value: int, at: float, event_id: str) -> None:
         self.claims.setdefault(quantity, []).append(Claim(source, value, at, event_id))
@@ -188,7 +194,7 @@ def derive_record(
     if target is not None and restored is not None and submitted is not None:
         # Unknown doom reasons count as 0, which makes the deficit a lower bound (and says so).
         lost = sum((doomed or {}).values())
-        under = under_submitted(target, restored, min(lost, restored), submitted)
+        under = under_submitted(target, restored, min(lost, restored), submitted + obs.topped_up)
     reissued, cleared = obs.reissued, obs.cleared
     if reissued is None and (not obs.resumed or obs.decided or obs.sealed):
         # verl re-issues before the warmup and logs nothing when there was nothing in flight.
@@ -249,6 +255,7 @@ def derive_record(
             resumed=obs.resumed,
             lost_prompt_groups=_lost_groups(obs, previous) if window_lost else _nothing_lost(obs, keeps_window),
         ),
+        self_heal=obs.self_heal,
     )
 
 
@@ -297,7 +304,8 @@ def _judge(
         for quantity, said in _composition_claims(loaded).items():
             if obs.claims.get(quantity):  # R's split is compared only with a source that split it too
                 claims[quantity].extend(said)
-    batch = config.train_batch_size if config is not None else None  # what prepare_step adds before sampling
+    # What prepare_step adds before sampling, and the plugin's self-heal right after it.
+    batch = config.train_batch_size + obs.topped_up if config is not None else None
     windows: dict[str, tuple[Claim, Claim | None, Bounds]] = {}
     loaded_statuses = loaded[0].status_counts() if loaded is not None else None
     if restored is not None and submitted is not None and obs.decided_at is not None:

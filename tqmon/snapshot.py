@@ -80,6 +80,24 @@ class Disagreement:
 
 
 @dataclass(frozen=True, slots=True)
+class SelfHeal:
+    """The verl plugin's self-heal decision for a start (``self_heal_decided``), as it reported it."""
+
+    mode: str  # dry-run | on
+    target: int  # T
+    restored: int  # R
+    doomed: Mapping[str, int]  # the known reasons
+    warmup_submitted: int  # M, verl's warmup
+    deficit: int  # before the top-up
+    deficit_exact: bool
+    max_top_up: int
+    planned: int  # what the mode would submit
+    submitted: int  # what it submitted (counts in M for the deficit after it)
+    reason: str
+    event_id: str
+
+
+@dataclass(frozen=True, slots=True)
 class ResumeRecord:
     """One trainer start (a resume from global_step_N, or a fresh start) and what its warmup did."""
 
@@ -111,6 +129,7 @@ class ResumeRecord:
     # The quantities two claims were ever given for (tqmon.judge.QUANTITIES order); only these have a verdict.
     compared: tuple[str, ...] = ()
     cost: ResumeCost = field(default_factory=ResumeCost)  # what the resume cost; all unknown for a fresh start
+    self_heal: SelfHeal | None = None  # the plugin's top-up after the warmup; None when it was off
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)

@@ -36,8 +36,9 @@ from tqmon.integrations import pins
 from tqmon.integrations.logs import RateLimitedLog
 from tqmon.integrations.poster import EventPoster
 from tqmon.integrations.resume import StartReporter, Submission
+from tqmon.integrations.selfheal import decide, self_heal_settings
 from tqmon.integrations.window import DEFAULT_INTERVAL, WindowReporter
-from tqmon.warmup import TQ_DIR, TRAIN
+from tqmon.warmup import TQ_DIR, TRAIN, SelfHealMode
 
 try:
     from verl.trainer.ppo.checkpoint_callback import CheckpointCallback
@@ -106,6 +107,17 @@ def refusal(what: str, found: list[str], instead: str = KV_LIST_INSTEAD) -> str:
         f"tqmon: {what}: {'; '.join(found)}. This verl ({_verl_version() or 'version unknown'}) is not the verl "
         f"{pins.VERL_VERSION} tqmon's hooks are pinned to; verl runs untouched and {instead}"
     )
+
+
+def heal_refusal(trainer_mode: str) -> str | None:
+    """The one line that turns a requested self-heal off: sync mode has no prefetch window, and a verl other
+    than the pinned one may warm up differently (0.9.0 over-fills by R); None where it may run."""
+    if trainer_mode == "sync":
+        return "tqmon: self-heal refused: trainer_mode sync has no prefetch window to top up; verl runs untouched"
+    version = _verl_version()
+    if version != pins.VERL_VERSION:
+        return refusal("self-heal refused", ["its warmup is not known to be 0.9.1's"], "the self-heal is off")
+    return None
 
 
 def _no_report(window: PluginWindow, reason: str) -> None:
@@ -324,8 +336,14 @@ class TqmonAgentLoopManager(AgentLoopManagerTQ):  # type: ignore[misc]
         self._window: WindowReporter | None = None  # until the trainer's replay buffer is watched
         self._prompts = inspect.signature(super().generate_sequences)  # verl's, to bind its arguments by name
         self._failures = RateLimitedLog(log)
+        self._heal: tuple[SelfHealMode, int | None] = ("off", None)
+        self._healing = False  # the self-heal's own submission is under way
         try:
             state = plugin(self.config)
+            self._heal = self_heal_settings(self.config)
+            if self._heal[0] != "off" and (why := heal_refusal(state.mode)) is not None:
+                log.warning(why)
+                self._heal = ("off", None)
             if state.poster is not None:
                 self._plugin, self._window = state, state.window
                 found = pins.difference(pins.GENERATE, AgentLoopManagerTQ)
@@ -364,12 +382,47 @@ class TqmonAgentLoopManager(AgentLoopManagerTQ):  # type: ignore[misc]
         if self._tqmon is not None:
             try:
                 prompts = self._prompts.bind(*args, **kwargs).arguments["prompts"]
-                self._tqmon.submitted(classify(caller), len(prompts))
+                kind: Submission = "self_heal" if self._healing else classify(caller)
+                if self._tqmon.submitted(kind, len(prompts)):
+                    self._self_heal(caller)
             except Exception as err:
                 self._failures.warning(f"tqmon: could not report a submission: {type(err).__name__}: {err}", err)
         if self._window is not None:
             self._watch(caller)
         return result
+
+    def _self_heal(self, caller: FrameType) -> None:
+        """Right after verl's warmup decision of a resumed start (the first step batch's dispatch, before the
+        first sample): top the window up through the trainer's own ``_add_prompts_to_generate``."""
+        mode, cap = self._heal
+        reporter, state = self._tqmon, self._plugin
+        if mode == "off" or reporter is None or state is None or state.poster is None:
+            return
+        if reporter.window is None or reporter.resumed_from is None:
+            return  # a fresh start, or a resume without TransferQueue state: verl's warmup fills T
+        trainer = caller.f_locals.get("self")
+        found = pins.difference(pins.ADD_PROMPTS, trainer)
+        if found is not None:
+            log.warning(refusal("the self-heal submits nothing", [found], "verl's warmup is left as it decided"))
+            return
+        before = reporter.submissions["self_heal"]
+        self._healing = True
+        try:
+            decide(
+                state.poster,
+                f"{state.ids}/self_heal",
+                mode,
+                cap,
+                state.settings.warmup_config(state.mode),
+                reporter.window,
+                reporter.resumed_from,
+                reporter.warmup,
+                getattr(trainer, pins.ADD_PROMPTS.name),
+                lambda: reporter.submissions["self_heal"] - before,
+                self._failures,
+            )
+        finally:
+            self._healing = False
 
     def _watch(self, caller: FrameType) -> None:
         """The trainer submits through its own methods (``fit`` hands it this manager), so the caller's ``self``
