@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 from tqmon.judge import QUANTITIES
 from tqmon.snapshot import PLUGIN_WINDOW_READERS, SourceName
-from tqmon.warmup import DOOM_REASONS, PARTITIONS, PROMPT_STATUSES, WarmupState
+from tqmon.warmup import DOOM_REASONS, PARTITIONS, PROMPT_STATUSES, SELF_HEAL_MODES, WarmupState
 
 
 class MetricType(enum.StrEnum):
@@ -91,6 +91,11 @@ REASON = Label(
     "reason", DOOM_REASONS, "Why the first sample after a resume evicts the group (failure > stale > filtered)."
 )
 SOURCE = Label("source", SOURCES, "The tqmon source that observed it.")
+SELF_HEAL_MODE = Label(
+    "mode",
+    tuple(mode for mode in SELF_HEAL_MODES if mode != "off"),
+    "The verl plugin's self-heal mode: `on` submits, `dry-run` only records (`off` reports nothing).",
+)
 
 _BY_STATUS = "Labelled by status; the sum over status is the total."
 
@@ -215,6 +220,15 @@ CATALOG: tuple[MetricSpec, ...] = (
         MetricType.GAUGE,
         "1 when tqmon_resume_under_submitted_prompt_groups is only a lower bound (a doom reason is not known and "
         "counts as 0; tqmon_resume_doomed_prompt_groups lacks its series), 0 when it is exact.",
+    ),
+    MetricSpec(
+        "tqmon_resume_self_heal_prompt_groups",
+        MetricType.GAUGE,
+        "Fresh prompt groups the verl plugin's self-heal submitted after the last start's warmup (`on`), or would "
+        "have (`dry-run`): the deficit, capped; they count in M, so the deficit after an `on` top-up is 0.",
+        "prompt_groups",
+        (SELF_HEAL_MODE,),
+        Stability.EXPERIMENTAL,
     ),
     MetricSpec(
         "tqmon_resume_first_step_evicted_prompt_groups",

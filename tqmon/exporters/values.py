@@ -10,7 +10,7 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 
 from tqmon.catalog import BY_NAME, OTLP_SIGNALS, STATE_WRITE_FAILURE_REASONS, MetricSpec
-from tqmon.snapshot import TALLY_OWNERS, ResumeRecord, Snapshot, Tally
+from tqmon.snapshot import TALLY_OWNERS, ResumeRecord, SelfHeal, Snapshot, Tally
 from tqmon.warmup import PROMPT_STATUSES
 
 Labels = tuple[str, ...]
@@ -51,6 +51,11 @@ def _stateset(spec: MetricSpec, current: str) -> list[Series]:
 
 def _opt(value: float | None) -> list[Series]:
     return [] if value is None else [Series((), value)]
+
+
+def _self_heal_groups(heal: SelfHeal) -> float:
+    """What ``on`` submitted; what ``dry-run`` would have."""
+    return heal.submitted if heal.mode == "on" else heal.planned
 
 
 def _disagreements(record: ResumeRecord) -> list[Series]:
@@ -129,6 +134,9 @@ def metric_values(snapshot: Snapshot, now: float) -> Iterator[tuple[MetricSpec, 
             "tqmon_resume_under_submitted_lower_bound": []
             if record.under_submitted is None
             else [Series((), float(record.under_submitted_lower_bound))],
+            "tqmon_resume_self_heal_prompt_groups": []
+            if record.self_heal is None
+            else [Series((record.self_heal.mode,), _self_heal_groups(record.self_heal))],
             "tqmon_resume_first_step_evicted_prompt_groups": [
                 Series((r,), n) for r, n in (record.first_step_evictions or {}).items()
             ],

@@ -17,6 +17,7 @@ from tqmon.composition import Composition
 from tqmon.events import (
     CheckpointRestored,
     Event,
+    GroupCount,
     InflightReissued,
     TrainingStarted,
     WarmupDecided,
@@ -46,7 +47,7 @@ class StartReporter:
         self._config = config
         self._mode = trainer_mode
         self.resumed_from: int | None = None
-        self.window: Composition | None = None  # what verl restored, as read before its re-issue
+        self.groups: list[GroupCount] | None = None  # what verl restored, as read before its re-issue
         self._restored = 0
         self._cleared = 0  # trajectories of in-flight groups: the re-issue clears them
         self._reissued = False
@@ -54,19 +55,27 @@ class StartReporter:
         self._decided = False
         self.submissions: Counter[Submission] = Counter()  # prompts by kind, for logs and tests
 
-    def started(self, resumed_from: int | None, path: str | None, window: Composition | None) -> None:
-        """verl picked its start (``resumed_from`` = N) and, when it restored TransferQueue, ``window``."""
-        self.resumed_from, self.window = resumed_from, window
+    def started(
+        self,
+        resumed_from: int | None,
+        path: str | None,
+        window: Composition | None,
+        groups: list[GroupCount] | None = None,
+    ) -> None:
+        """verl picked its start (``resumed_from`` = N) and, when it restored TransferQueue, ``window``;
+        ``groups`` is its composition with DAPO's verdicts where they were judged (else ``window``'s)."""
+        self.resumed_from = resumed_from
         self._sink.post(TrainingStarted(id=f"{self._ids}/start", resumed_from_step=resumed_from, checkpoint_path=path))
         if window is None:
             return
         self._restored, self._cleared = window.restored, window.inflight_trajectories
+        self.groups = groups if groups is not None else window.group_counts()
         self._sink.post(
             CheckpointRestored(
                 id=f"{self._ids}/restore",
                 step=resumed_from,
                 restored_prompt_groups=window.restored,
-                groups=window.group_counts(),
+                groups=self.groups,
             )
         )
 

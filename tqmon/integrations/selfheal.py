@@ -3,7 +3,8 @@
 verl 0.9.1 submits ``max(0, T - R)`` warmup groups, but R counts groups the first sample evicts, so the
 window starts ``doomed`` short of T. In ``on`` mode the plugin submits exactly the deficit tqmon derives
 (:func:`tqmon.warmup.plan_top_up`, from the doomed groups :func:`tqmon.warmup.known_doomed` decides over the
-restored window), through a ``submit`` the verl glue hands it (verl's own ``_add_prompts_to_generate``).
+restored groups the plugin reported in ``checkpoint_restored``, DAPO's verdicts included), through a
+``submit`` the verl glue hands it (verl's own ``_add_prompts_to_generate``).
 ``dry-run`` records what it would submit. Every decision is one ``self_heal_decided`` event.
 
 Configured by a Hydra override on verl's command line (``+tqmon.self_heal=on``,
@@ -18,8 +19,7 @@ import os
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from tqmon.composition import Composition
-from tqmon.events import PLUGIN_REASON_LENGTH, SelfHealDecided, restored_groups
+from tqmon.events import PLUGIN_REASON_LENGTH, GroupCount, SelfHealDecided, restored_groups, status_counts
 from tqmon.integrations.logs import RateLimitedLog
 from tqmon.integrations.resume import Sink
 from tqmon.warmup import (
@@ -73,7 +73,7 @@ def decide(
     mode: SelfHealMode,
     cap: int | None,
     config: WarmupConfig,
-    window: Composition,
+    groups: list[GroupCount],
     checkpoint_step: int,
     warmup: int,
     submit: Callable[[int], object],
@@ -84,12 +84,13 @@ def decide(
     (M), submit it in ``on`` mode and report the decision with what was submitted, as ``measured`` counts it
     (the groups that reached ``generate_sequences``). A failing ``submit`` is logged (rate-limited, counted in
     ``failures``) and reported; it never raises: verl goes on as without the top-up."""
+    restored = sum(group.count for group in groups)
     doomed: Mapping[str, int] = (
-        known_doomed(config, window.by_status, restored_groups(window.group_counts()), checkpoint_step) or {}
+        known_doomed(config, status_counts(None, groups), restored_groups(groups), checkpoint_step) or {}
     )
     target = target_window(config)
     limit = target if cap is None else cap
-    plan = plan_top_up(config, window.restored, doomed, warmup, limit)
+    plan = plan_top_up(config, restored, doomed, warmup, limit)
     verb = "submitted" if mode == "on" else "would submit"
     reason = f"{verb} {plan.planned}: {plan.reason}"
     if mode == "on" and plan.planned:
@@ -102,7 +103,7 @@ def decide(
         id=event_id,
         mode=mode,
         target_prompt_groups=target,
-        restored_prompt_groups=window.restored,
+        restored_prompt_groups=restored,
         doomed_prompt_groups={k: v for k, v in doomed.items() if k in DOOM_REASONS},
         warmup_prompt_groups=warmup,
         deficit_prompt_groups=plan.deficit,

@@ -20,7 +20,8 @@ import os
 import sys
 import threading
 import uuid
-from collections.abc import Callable
+from collections import Counter, defaultdict
+from collections.abc import Callable, Mapping
 from types import FrameType
 from typing import Any, ClassVar
 
@@ -29,8 +30,9 @@ from verl.trainer.ppo.v1.agent_loop_tq import AgentLoopManagerTQ
 from verl.utils.checkpoint.checkpoint_manager import find_latest_ckpt_path
 from verl.utils.ray_utils import auto_await
 
+from tqmon.checkpoint.storage import REWARD_METRIC
 from tqmon.composition import Composition, compose
-from tqmon.events import PLUGIN_REASON_LENGTH, CheckpointSaved, PluginStateChanged, PluginWindow, RunStarted
+from tqmon.events import PLUGIN_REASON_LENGTH, CheckpointSaved, GroupCount, PluginStateChanged, PluginWindow, RunStarted
 from tqmon.hydra_config import trainer_settings
 from tqmon.integrations import pins
 from tqmon.integrations.logs import RateLimitedLog
@@ -38,7 +40,7 @@ from tqmon.integrations.poster import EventPoster
 from tqmon.integrations.resume import StartReporter, Submission
 from tqmon.integrations.selfheal import decide, self_heal_settings
 from tqmon.integrations.window import DEFAULT_INTERVAL, WindowReporter
-from tqmon.warmup import TQ_DIR, TRAIN, SelfHealMode
+from tqmon.warmup import TQ_DIR, TRAIN, SelfHealMode, is_zero_variance
 
 try:
     from verl.trainer.ppo.checkpoint_callback import CheckpointCallback
@@ -85,6 +87,41 @@ def resume_folder(config: Any) -> str | None:
 def window() -> Composition:
     """The training partition as verl counts it, read with the trainer's own TransferQueue client."""
     return compose(tq.kv_list(TRAIN).get(TRAIN, {}))
+
+
+def dapo_filtered(tags: Mapping[str, Any], metric: str) -> set[str]:
+    """The finished groups DAPO rejects at the first sample: ``ReplayBuffer._dapo_filtered_keys`` reads one
+    field per trajectory (``rm_scores`` summed for ``reward``, else ``extra_fields``' ``reward_extra_info``);
+    the verdict is :func:`tqmon.warmup.is_zero_variance`. A group lacking the metric is not judged filtered."""
+    finished = {key for key, tag in tags.items() if tag.get("is_prompt", False) and tag.get("status") == "finished"}
+    keys = [key for key, tag in tags.items() if not tag.get("is_prompt", False) and key.split("_")[0] in finished]
+    if not keys:
+        return set()
+    field = "rm_scores" if metric == REWARD_METRIC else "extra_fields"
+    data = tq.kv_batch_get(keys=keys, partition_id=TRAIN, select_fields=[field])
+    values: dict[str, list[float]] = defaultdict(list)
+    for key, value in zip(keys, list(data[field]), strict=True):
+        if field == "rm_scores":
+            values[key.split("_")[0]].append(float(value.sum().item()))
+            continue
+        extra = getattr(value, "data", value)
+        info = extra.get("reward_extra_info", {}) if isinstance(extra, dict) else {}
+        if metric in info:
+            values[key.split("_")[0]].append(float(info[metric]))
+    return {uid for uid, metrics in values.items() if is_zero_variance(metrics)}
+
+
+def judged_groups(tags: Mapping[str, Any], filtered: set[str]) -> list[GroupCount]:
+    """The restored prompt groups by status, ``global_steps`` and DAPO's verdict."""
+    counts = Counter(
+        (tag["status"], tag["global_steps"], key in filtered)
+        for key, tag in tags.items()
+        if tag.get("is_prompt", False)
+    )
+    return [
+        GroupCount(status=status, global_steps=steps, count=n, filtered=judged)
+        for (status, steps, judged), n in sorted(counts.items(), key=lambda item: (item[0][1], item[0][0], item[0][2]))
+    ]
 
 
 def _verl_version() -> str:
@@ -370,7 +407,16 @@ class TqmonAgentLoopManager(AgentLoopManagerTQ):  # type: ignore[misc]
             restored = folder is not None and os.path.exists(os.path.join(folder, TQ_DIR))
             step = int(folder.rsplit("global_step_", 1)[-1]) if folder is not None else None
             sync = self.config.trainer.v1.trainer_mode == "sync"
-            self._tqmon.started(step, folder, window() if restored and not sync else None)
+            tags = tq.kv_list(TRAIN).get(TRAIN, {}) if restored and not sync else None
+            composition = compose(tags) if tags is not None else None
+            groups = None
+            metric = self._plugin.settings.dapo_metric if self._plugin is not None else None
+            if tags is not None and metric is not None:
+                try:
+                    groups = judged_groups(tags, dapo_filtered(tags, metric))
+                except Exception as err:  # the verdicts stay unknown: the doomed count is a lower bound
+                    log.warning("tqmon: could not judge the restored groups for DAPO: %s: %s", type(err).__name__, err)
+            self._tqmon.started(step, folder, composition, groups)
         except Exception:
             log.exception("tqmon: could not report the restored window")
 
@@ -398,7 +444,7 @@ class TqmonAgentLoopManager(AgentLoopManagerTQ):  # type: ignore[misc]
         reporter, state = self._tqmon, self._plugin
         if mode == "off" or reporter is None or state is None or state.poster is None:
             return
-        if reporter.window is None or reporter.resumed_from is None:
+        if reporter.groups is None or reporter.resumed_from is None:
             return  # a fresh start, or a resume without TransferQueue state: verl's warmup fills T
         trainer = caller.f_locals.get("self")
         found = pins.difference(pins.ADD_PROMPTS, trainer)
@@ -414,7 +460,7 @@ class TqmonAgentLoopManager(AgentLoopManagerTQ):  # type: ignore[misc]
                 mode,
                 cap,
                 state.settings.warmup_config(state.mode),
-                reporter.window,
+                reporter.groups,
                 reporter.resumed_from,
                 reporter.warmup,
                 getattr(trainer, pins.ADD_PROMPTS.name),
