@@ -13,7 +13,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from datetime import UTC, datetime
 
 from tqmon.conditions import Condition, ConditionState, evaluate
-from tqmon.report import verdict
+from tqmon.report import self_heal, verdict
 from tqmon.snapshot import CheckpointView, Evidence, ResumeRecord, Snapshot, SourceHealth, Tally, WindowView
 from tqmon.warmup import DOOM_REASONS, PROMPT_STATUSES, TRAIN, WarmupState, doomed_complete, unknown_doom_reasons
 
@@ -311,6 +311,7 @@ def _last_start(record: ResumeRecord | None, now: float) -> str:
         ("O over-restored", "over_restored", _num(record.over_restored)),
         ("doomed", "doomed", _doomed_total(record.doomed)),
         ("deficit", "deficit-box", _deficit(record)),
+        ("self-heal", "self-heal", _e(self_heal(record))),
     )
     cells = "".join(f'<div><dt>{_e(label)}</dt><dd data-k="{key}">{value}</dd></div>' for label, key, value in numbers)
     bar = ""
