@@ -27,6 +27,7 @@ from tqmon.snapshot import (
     OTLPView,
     ResumeRecord,
     RunInfo,
+    SelfHeal,
     Snapshot,
     SourceHealth,
     StateHealth,
@@ -71,6 +72,9 @@ def full_snapshot(now: float = NOW) -> Snapshot:
             time_to_first_step_seconds=180.5,
             wasted_rollouts=24,
             lost_prompt_groups=0,
+        ),
+        self_heal=SelfHeal(
+            "dry-run", 12, 9, {"failure": 2, "stale": 1, "filtered": 0}, 3, 3, True, 12, 3, 0, "would submit 3", "e:1"
         ),
     )
     return Snapshot(

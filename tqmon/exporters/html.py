@@ -311,8 +311,9 @@ def _last_start(record: ResumeRecord | None, now: float) -> str:
         ("O over-restored", "over_restored", _num(record.over_restored)),
         ("doomed", "doomed", _doomed_total(record.doomed)),
         ("deficit", "deficit-box", _deficit(record)),
-        ("self-heal", "self-heal", _e(self_heal(record))),
     )
+    if record.self_heal is not None:  # the plugin's top-up, with its inputs (absent when the self-heal is off)
+        numbers += (("self-heal", "self-heal", _e(self_heal(record))),)
     cells = "".join(f'<div><dt>{_e(label)}</dt><dd data-k="{key}">{value}</dd></div>' for label, key, value in numbers)
     bar = ""
     if record.restored_by_status is not None:
