@@ -303,7 +303,7 @@ def _last_start(record: ResumeRecord | None, now: float) -> str:
             "tqmon has no log line, event or checkpoint restore of this run.</p></section>"
         )
     expected_submitted = f"{_num(record.expected)} / {_num(record.submitted)}"
-    numbers = (
+    numbers: tuple[tuple[str, str, str], ...] = (
         ("R restored", "restored", _num(record.restored)),
         ("K re-issued", "reissued", _num(record.reissued)),
         ("T target", "target", _num(record.target)),
