@@ -69,6 +69,22 @@ WARMUP: dict[str, Any] = {
     "restored_prompt_groups": 6,
     "submitted_prompt_groups": 6,
 }
+HEAL: dict[str, Any] = {  # the plugin's self-heal in dry-run: recorded, nothing submitted
+    "id": "run-a/self_heal/11",
+    "type": "self_heal_decided",
+    "time": T0 + 4,
+    "mode": "dry-run",
+    "target_prompt_groups": 12,
+    "restored_prompt_groups": 6,
+    "doomed_prompt_groups": {"failure": 1, "filtered": 0},  # stale is not known: the deficit is a lower bound
+    "warmup_prompt_groups": 6,
+    "deficit_prompt_groups": 1,
+    "deficit_exact": False,
+    "max_top_up": 12,
+    "planned_prompt_groups": 1,
+    "submitted_prompt_groups": 0,
+    "reason": "would submit 1: deficit 1 (a lower bound: doomed stale not known)",
+}
 STEP: dict[str, Any] = {
     "id": "run-a/step/11",
     "type": "step_completed",
@@ -99,7 +115,7 @@ PLUGIN: dict[str, Any] = {  # the verl plugin met a verl that differs from its p
     "window": "refused",
     "reason": "ReplayBufferAsync has no attribute _materialize_batch",
 }
-RESUME: list[dict[str, Any]] = [RUN, START, RESTORE, REISSUE, WARMUP, STEP, SAVE, WINDOW, PLUGIN]
+RESUME: list[dict[str, Any]] = [RUN, START, RESTORE, REISSUE, WARMUP, HEAL, STEP, SAVE, WINDOW, PLUGIN]
 assert {e["type"] for e in RESUME} == EVENT_TYPE_NAMES
 
 # R = 6 (1 failure, stale unknown with the default threshold 8 and no per-step composition), M = 6:
@@ -140,6 +156,20 @@ RESUME_RECORD: dict[str, Any] = {
         "lost_prompt_groups": 0,
     },
     "step_regressions": [],  # the first start: nothing saved before it; step 11 after a resume from 10
+    "self_heal": {
+        "mode": "dry-run",
+        "target": 12,
+        "restored": 6,
+        "doomed": {"failure": 1, "filtered": 0},
+        "warmup_submitted": 6,
+        "deficit": 1,
+        "deficit_exact": False,
+        "max_top_up": 12,
+        "planned": 1,
+        "submitted": 0,
+        "reason": "would submit 1: deficit 1 (a lower bound: doomed stale not known)",
+        "event_id": "run-a/self_heal/11",
+    },
     "verdict": "UNDER-SUBMITTED by at least 1 (doomed stale not known)",
 }
 RESUME_EVIDENCE = [
@@ -147,6 +177,7 @@ RESUME_EVIDENCE = [
     ("events", "checkpoint_restored", RESTORE["id"], T0 + 1),
     ("events", "inflight_reissued", REISSUE["id"], T0 + 2),
     ("events", "warmup_decided", WARMUP["id"], T0 + 3),
+    ("events", "self_heal_decided", HEAL["id"], T0 + 4),
     ("events", "step_completed", STEP["id"], T0 + 60),
 ]
 RESUME_SERIES: dict[str, float | None] = {
@@ -167,7 +198,9 @@ RESUME_SERIES: dict[str, float | None] = {
     'tqmon_resume_doomed_prompt_groups{reason="failure"}': 1,
     'tqmon_resume_doomed_prompt_groups{reason="stale"}': None,  # unknown, so omitted
     'tqmon_resume_doomed_prompt_groups{reason="filtered"}': 0,
-    "tqmon_resume_under_submitted_prompt_groups": 1,
+    "tqmon_resume_under_submitted_prompt_groups": 1,  # a dry-run submits nothing: the deficit stays
+    'tqmon_resume_self_heal_prompt_groups{mode="dry-run"}': 1,
+    'tqmon_resume_self_heal_prompt_groups{mode="on"}': None,
     'tqmon_resume_warmup_state{state="topped_up"}': 1,
     'tqmon_resume_warmup_state{state="unknown"}': 0,
     "tqmon_checkpoint_step": 12,
@@ -181,7 +214,7 @@ RESUME_SERIES: dict[str, float | None] = {
     'tqmon_window_prompt_groups{partition="train",status="failure"}': 0,
     'tqmon_window_status{status="under_filled"}': 1,  # 11 live < T = 12
     'tqmon_window_status{status="ok"}': 0,
-    'tqmon_events_total{outcome="applied",source="events"}': 9,
+    'tqmon_events_total{outcome="applied",source="events"}': 10,
     # No --ray-address and the plugin refused: nothing reads the window (the posted one came as a plain event).
     'tqmon_plugin_window_state{state="unobserved"}': 1,
     'tqmon_plugin_window_state{state="kv_list"}': 0,
@@ -366,6 +399,21 @@ def test_each_event_type_posted_singly_changes_the_state(tqmon_factory: Factory)
         },
     )
 
+    assert post_ok(proc, HEAL) == one
+    fields, evidence = split_record(status(proc)["records"][-1])
+    heal = fields["self_heal"]
+    assert (heal["mode"], heal["deficit"], heal["deficit_exact"], heal["planned"], heal["submitted"]) == (
+        "dry-run",
+        1,
+        False,
+        1,
+        0,
+    )
+    assert (heal["target"], heal["restored"], heal["warmup_submitted"], heal["event_id"]) == (12, 6, 6, HEAL["id"])
+    assert fields["under_submitted"] == 1  # a dry-run submits nothing
+    assert evidence == RESUME_EVIDENCE[:5]
+    assert_series(proc, {'tqmon_resume_self_heal_prompt_groups{mode="dry-run"}': 1})
+
     assert post_ok(proc, STEP) == one
     now = status(proc)
     fields, evidence = split_record(now["records"][-1])
@@ -418,7 +466,7 @@ def test_each_event_type_posted_singly_changes_the_state(tqmon_factory: Factory)
 
 def test_resume_sequence_posted_as_one_batch(tqmon_factory: Factory) -> None:
     proc = tqmon_factory(env=NOT_UTC).start()
-    assert post_ok(proc, RESUME) == {"accepted": 9, "applied": 9, "duplicates": 0}
+    assert post_ok(proc, RESUME) == {"accepted": 10, "applied": 10, "duplicates": 0}
     now = status(proc)
     assert (now["resumes_total"], now["records_total"], now["trainer_step"], now["target_window"]) == (1, 1, 12, 12)
     assert split_record(now["records"][0]) == (RESUME_RECORD, RESUME_EVIDENCE)
@@ -893,7 +941,7 @@ def test_health_readiness_landing_openapi_and_negotiation(tqmon_factory: Factory
 
 def test_state_and_counters_survive_kill_9(tqmon_factory: Factory) -> None:
     first = tqmon_factory().start()
-    assert post_ok(first, RESUME)["applied"] == 9
+    assert post_ok(first, RESUME)["applied"] == 10
     assert post_ok(first, START)["duplicates"] == 1
     assert post(first, b"{").status_code == 400
     assert post(first, BAD_CONFIG).status_code == 422

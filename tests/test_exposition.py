@@ -28,6 +28,7 @@ from tqmon.snapshot import (
     RegressionReason,
     ResumeRecord,
     RunInfo,
+    SelfHeal,
     Snapshot,
     SourceHealth,
     StateHealth,
@@ -76,6 +77,9 @@ def full_snapshot(now: float = NOW) -> Snapshot:
             lost_prompt_groups=0,
         ),
         step_regressions=(StepRegression(40, 45, RegressionReason.LATEST_FILE_STALE),),
+        self_heal=SelfHeal(
+            "dry-run", 12, 9, {"failure": 2, "stale": 1, "filtered": 0}, 3, 3, True, 12, 3, 0, "would submit 3", "e:1"
+        ),
     )
     return Snapshot(
         built_at=now,

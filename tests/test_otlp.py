@@ -549,3 +549,19 @@ def test_the_log_queue_is_bounded_and_counts_what_it_drops(receiver: OTLPReceive
     indexes = [attributes(r.attributes)["tqmon.resume.index"] for _, r in receiver.log_records()]
     assert indexes == list(range(6, LOG_QUEUE_MAX + 6))
     exporter.stop()
+
+
+def test_the_resume_log_record_carries_the_self_heal_decision() -> None:
+    record = full_snapshot().last_record
+    assert record is not None and record.self_heal is not None
+    attributes = resume_attributes(record, "decided")
+    heal = {key.removeprefix("tqmon.resume.self_heal."): v for key, v in attributes.items() if "self_heal" in key}
+    assert heal == {
+        "mode": "dry-run",
+        "deficit": 3,
+        "deficit_exact": True,
+        "planned": 3,
+        "submitted": 0,
+        "reason": "would submit 3",
+    }
+    assert not any("self_heal" in key for key in resume_attributes(replace(record, self_heal=None), "decided"))

@@ -38,6 +38,7 @@ from tqmon.snapshot import (
     Evidence,
     PluginView,
     ResumeRecord,
+    SelfHeal,
     Snapshot,
     SourceHealth,
     Tally,
@@ -645,3 +646,33 @@ def test_the_checkpoint_preflight_names_the_verl_version_and_shows_each_warmup_w
     # Without the trainer config the warmup is not predicted, and the page says why.
     section = parse(render(replace(page, checkpoint=replace(view, outcomes=())), T1)).find(id="checkpoint")
     assert "not predicted without the trainer config" in section.text()
+
+
+def test_an_on_top_up_shows_its_inputs_and_the_deficit_it_closed() -> None:
+    """The self-heal's decision is shown with T, R, doomed, M and the cap; its groups count in M, so the
+    record's deficit is 0 and the page says exact, not hidden."""
+    heal = SelfHeal("on", 12, 9, {"failure": 1, "stale": 2, "filtered": 0}, 3, 3, True, 12, 3, 3, "submitted 3", "e:1")
+    record = ResumeRecord(
+        index=0,
+        resumed=True,
+        started_at=T1 - 30,
+        checkpoint_step=10,
+        restored=9,
+        restored_by_status={"pending": 1, "running": 1, "finished": 6, "failure": 1},
+        reissued=2,
+        target=12,
+        expected=3,
+        submitted=3,
+        over_restored=0,
+        doomed={"failure": 1, "stale": 2, "filtered": 0},
+        under_submitted=0,
+        warmup_state=WarmupState.TOPPED_UP,
+        self_heal=heal,
+    )
+    dom = parse(render(snapshot(record, ()), T1))
+    assert values(dom)["deficit"] == "0" and values(dom)["deficit-kind"] == "exact"
+    assert values(dom)["self-heal"] == (
+        "on: submitted 3 of deficit 3 (T 12, R 9, doomed failure 1, stale 2, filtered 0, M 3, cap 12)"
+    )
+    without = parse(render(snapshot(replace(record, self_heal=None), ()), T1))
+    assert "self-heal" not in values(without)

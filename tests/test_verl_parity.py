@@ -310,6 +310,7 @@ class Resumed:
     logged: str  # verl's warmup log line, or ""
     dispatched: list[int]
     evicted: dict[str, int] = field(default_factory=dict)
+    trainer: Any = None  # verl's trainer after the first sample (or the first step's batch)
 
 
 def resume(tq: Any, root: Path, case: Case, trainer_class: type | None = None) -> Resumed:
@@ -355,6 +356,7 @@ def resume(tq: Any, root: Path, case: Case, trainer_class: type | None = None) -
         logged=line.group(0) if line else "",
         dispatched=ray.get(manager.agent_loop_workers[0].dispatched.remote()),
         evicted=evicted,
+        trainer=trainer,
     )
 
 

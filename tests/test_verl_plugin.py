@@ -3,6 +3,7 @@ makes of one start reported through two doors (verl's log and the plugin), and o
 
 from __future__ import annotations
 
+import logging
 import sys
 import time
 from collections.abc import Callable
@@ -14,12 +15,14 @@ import pytest
 
 from tests.conftest import TqmonProcess, free_port
 from tqmon.composition import compose
-from tqmon.events import Event, WarmupDecided, parse_event
+from tqmon.events import Event, GroupCount, SelfHealDecided, WarmupDecided, parse_event
+from tqmon.integrations.logs import RateLimitedLog
 from tqmon.integrations.poster import EventPoster
 from tqmon.integrations.resume import StartReporter
+from tqmon.integrations.selfheal import decide, self_heal_settings
 from tqmon.store import StateStore
 from tqmon.tracker import Tracker
-from tqmon.warmup import TrainerConfig, WarmupState, version_semantics
+from tqmon.warmup import TrainerConfig, WarmupState, plan_top_up, version_semantics
 
 CONFIG = {"train_batch_size": 4, "num_warmup_batches": 2}  # T = 8
 
@@ -433,3 +436,117 @@ def test_the_docs_table_lists_every_pin() -> None:
     ]
     assert stated == expected
     assert f"The hooks are written against verl **{pins.VERL_VERSION}**" in doc
+
+
+# ---------------------------------------------------------------- the self-heal's decision, without a trainer
+
+HEAL = {"train_batch_size": 4, "num_warmup_batches": 3, "max_off_policy_threshold": 3}  # T = 12
+# R = 9 at global_step_10: failure 1, stale 2 (global_steps 5 at the sample of step 11), finished 4, in flight 2.
+HEAL_GROUPS = [
+    GroupCount(status="pending", global_steps=10, count=1),
+    GroupCount(status="running", global_steps=10, count=1),
+    GroupCount(status="finished", global_steps=10, count=4),
+    GroupCount(status="finished", global_steps=5, count=2),
+    GroupCount(status="failure", global_steps=10, count=1),
+]
+
+
+def heal_decision(mode: str, submit: Callable[[int], object], **config: Any) -> tuple[SelfHealDecided, RateLimitedLog]:
+    """What the plugin decides and posts for HEAL_GROUPS after a warmup of M = 3; ``measured`` is the groups
+    ``submit`` was asked for, as generate_sequences would count them."""
+    sink, asked = _Sink(), []
+    failures = RateLimitedLog(logging.getLogger("tqmon.integrations"))
+
+    def counted(n: int) -> object:
+        asked.append(n)
+        return submit(n)
+
+    warmup = TrainerConfig(**{**HEAL, **config}).warmup_config("colocate_async")
+    event = decide(sink, "r/s/self_heal", mode, None, warmup, HEAL_GROUPS, 10, 3, counted, lambda: sum(asked), failures)  # type: ignore[arg-type]
+    assert sink.events == [event]
+    return event, failures
+
+
+def test_the_self_heal_submits_exactly_the_derived_deficit() -> None:
+    event, _ = heal_decision("on", lambda n: n)
+    # max(0, 12 - (9 - 3 + 3)) = 3, doomed by tqmon's one classification.
+    assert event.doomed_prompt_groups == {"failure": 1, "stale": 2, "filtered": 0}
+    assert (event.deficit_prompt_groups, event.deficit_exact) == (3, True)
+    assert (event.planned_prompt_groups, event.submitted_prompt_groups, event.max_top_up) == (3, 3, 12)
+    dry, _ = heal_decision("dry-run", lambda n: pytest.fail("dry-run submitted"))
+    assert (dry.planned_prompt_groups, dry.submitted_prompt_groups) == (3, 0)
+    assert dry.reason == "would submit 3: deficit 3"
+
+
+def test_a_lower_bound_submits_only_its_known_part_and_says_so() -> None:
+    # DAPO on without any group judged filtered: `filtered` is not known, the known deficit is still 3.
+    event, _ = heal_decision("on", lambda n: n, filter_groups=True)
+    assert event.deficit_exact is False and "filtered" not in event.doomed_prompt_groups
+    assert event.submitted_prompt_groups == 3
+    assert "a lower bound: doomed filtered not known" in event.reason
+
+
+def test_the_warmup_off_tops_up_nothing() -> None:
+    for off in ({"num_warmup_batches": 0}, {"skip_rollout_tq": True}):
+        event, _ = heal_decision("on", lambda n: pytest.fail("submitted with the warmup off"), **off)
+        assert (event.planned_prompt_groups, event.submitted_prompt_groups) == (0, 0)
+        assert "the warmup is off" in event.reason
+
+
+def test_the_cap_and_the_fetch_size_only_lower_the_top_up() -> None:
+    warmup = TrainerConfig(**HEAL).warmup_config("colocate_async")
+    doomed = {"failure": 1, "stale": 2, "filtered": 0}
+    assert plan_top_up(warmup, 9, doomed, 3, 2).planned == 2
+    assert "capped at max_top_up 2" in plan_top_up(warmup, 9, doomed, 3, 2).reason
+    sync_chunks = TrainerConfig(**{**HEAL, "gen_batch_size": 2}).warmup_config("colocate_async")
+    assert sync_chunks.effective_gen_batch_size == 1  # verl forces 1 in async modes: nothing to round
+
+
+def test_a_failing_top_up_is_logged_counted_and_reported_never_raised(caplog: pytest.LogCaptureFixture) -> None:
+    def broken(n: int) -> object:
+        raise RuntimeError("dataloader exhausted")
+
+    with caplog.at_level(logging.WARNING, "tqmon.integrations"):
+        event, failures = heal_decision("on", broken)
+    assert failures.count == 1
+    assert event.reason.startswith("failed submitting 3: RuntimeError: dataloader exhausted")
+    assert event.submitted_prompt_groups == 3  # what reached the submission before it failed, as measured
+    assert "verl goes on without it" in caplog.text
+
+
+@pytest.mark.parametrize(
+    ("override", "env", "expected"),
+    [
+        (None, None, ("off", None)),
+        (None, "dry-run", ("dry-run", None)),
+        ({"self_heal": "on", "self_heal_max_top_up": 5}, "dry-run", ("on", 5)),
+        ({"self_heal": "sometimes"}, None, ("off", None)),
+        ({"self_heal": "on", "self_heal_max_top_up": -1}, None, ("off", None)),
+    ],
+)
+def test_the_self_heal_mode_comes_from_the_override_then_the_environment(
+    override: dict[str, Any] | None, env: str | None, expected: tuple[str, int | None], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from omegaconf import OmegaConf
+
+    config = OmegaConf.create({"trainer": {}} if override is None else {"trainer": {}, "tqmon": override})
+    OmegaConf.set_struct(config, True)  # verl's config is a struct: a missing section must read as absent
+    if env is None:
+        monkeypatch.delenv("TQMON_SELF_HEAL", raising=False)
+    else:
+        monkeypatch.setenv("TQMON_SELF_HEAL", env)
+    monkeypatch.delenv("TQMON_SELF_HEAL_MAX_TOP_UP", raising=False)
+    assert self_heal_settings(config) == expected
+
+
+def test_sync_mode_and_another_verl_refuse_the_self_heal_in_one_line(monkeypatch: pytest.MonkeyPatch) -> None:
+    import verl
+
+    from tqmon.integrations.verl import heal_refusal
+
+    assert heal_refusal("colocate_async") is None
+    line = heal_refusal("sync")
+    assert line is not None and "\n" not in line and "sync" in line
+    monkeypatch.setattr(verl, "__version__", "0.9.0")
+    line = heal_refusal("colocate_async")
+    assert line is not None and "\n" not in line and "(0.9.0)" in line and "0.9.1" in line

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from tqmon.judge import QUANTITIES
 from tqmon.snapshot import PLUGIN_WINDOW_READERS, RegressionReason, SourceName
 from tqmon.versions import VERSION_SOURCES
-from tqmon.warmup import DOOM_REASONS, PARTITIONS, PROMPT_STATUSES, SEMANTICS, WarmupState
+from tqmon.warmup import DOOM_REASONS, PARTITIONS, PROMPT_STATUSES, SELF_HEAL_MODES, SEMANTICS, WarmupState
 
 
 class MetricType(enum.StrEnum):
@@ -101,6 +101,11 @@ SEMANTICS_LABEL = Label(
 _EACH_WARMUP = (
     "under the warmup of the verl release tqmon knows (tqmon_verl_version_info), or one series per semantics"
     " while it is unknown"
+)
+SELF_HEAL_MODE = Label(
+    "mode",
+    tuple(mode for mode in SELF_HEAL_MODES if mode != "off"),
+    "The verl plugin's self-heal mode: `on` submits, `dry-run` only records (`off` reports nothing).",
 )
 
 _BY_STATUS = "Labelled by status; the sum over status is the total."
@@ -226,6 +231,15 @@ CATALOG: tuple[MetricSpec, ...] = (
         MetricType.GAUGE,
         "1 when tqmon_resume_under_submitted_prompt_groups is only a lower bound (a doom reason is not known and "
         "counts as 0; tqmon_resume_doomed_prompt_groups lacks its series), 0 when it is exact.",
+    ),
+    MetricSpec(
+        "tqmon_resume_self_heal_prompt_groups",
+        MetricType.GAUGE,
+        "Fresh prompt groups the verl plugin's self-heal submitted after the last start's warmup (`on`), or would "
+        "have (`dry-run`): the deficit, capped; they count in M, so the deficit after an `on` top-up is 0.",
+        "prompt_groups",
+        (SELF_HEAL_MODE,),
+        Stability.EXPERIMENTAL,
     ),
     MetricSpec(
         "tqmon_resume_first_step_evicted_prompt_groups",

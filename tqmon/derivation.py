@@ -32,6 +32,7 @@ from tqmon.snapshot import (
     Evidence,
     RegressionReason,
     ResumeRecord,
+    SelfHeal,
     SourceName,
     StepRegression,
 )
@@ -111,6 +112,12 @@ class Observed:
     last_activity_before: float | None = None  # the last timed trainer event before the stop
     loop_started_at: float | None = None  # the re-issue or warmup line: verl's step loop starts right after
     first_step_seconds: float | None = None  # the first step's own duration (timing_s/step)
+    self_heal: SelfHeal | None = None  # the plugin's top-up after the warmup (self_heal_decided)
+
+    @property
+    def topped_up(self) -> int:
+        """Fresh groups the plugin's self-heal submitted after the warmup: they count in M."""
+        return self.self_heal.submitted if self.self_heal is not None else 0
 
     # Step regressions (verl #7952, #7933): the newest step a trainer source said it saved before this start
     # opened (the value), and each step logged again since (the claim) with the newest step logged before it.
@@ -211,8 +218,8 @@ def derive_record(
     if target is not None and restored is not None and submitted is not None:
         # Unknown doom reasons count as 0, which makes the deficit a lower bound (and says so).
         lost = sum((doomed or {}).values())
-        under = under_submitted(target, restored, min(lost, restored), submitted)
-        over_filled = max(0, restored + submitted - target)
+        under = under_submitted(target, restored, min(lost, restored), submitted + obs.topped_up)
+        over_filled = max(0, restored + submitted + obs.topped_up - target)
     reissued, cleared = obs.reissued, obs.cleared
     if reissued is None and (not obs.resumed or obs.decided or obs.sealed):
         # verl re-issues before the warmup and logs nothing when there was nothing in flight.
@@ -277,6 +284,7 @@ def derive_record(
             lost_prompt_groups=_lost_groups(obs, previous) if window_lost else _nothing_lost(obs, keeps_window),
         ),
         step_regressions=regressions,
+        self_heal=obs.self_heal,
     )
 
 
@@ -385,7 +393,8 @@ def _judge(
         for quantity, said in _composition_claims(loaded).items():
             if obs.claims.get(quantity):  # R's split is compared only with a source that split it too
                 claims[quantity].extend(said)
-    batch = config.train_batch_size if config is not None else None  # what prepare_step adds before sampling
+    # What prepare_step adds before sampling, and the plugin's self-heal right after it.
+    batch = config.train_batch_size + obs.topped_up if config is not None else None
     windows: dict[str, tuple[Claim, Claim | None, Bounds]] = {}
     loaded_statuses = loaded[0].status_counts() if loaded is not None else None
     if restored is not None and submitted is not None and obs.decided_at is not None:

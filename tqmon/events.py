@@ -30,6 +30,7 @@ from tqmon.warmup import (
     Partition,
     PromptStatus,
     RestoredGroup,
+    SelfHealMode,
     SkipReason,
     TrainerConfig,
     TrainerMode,
@@ -49,6 +50,7 @@ TIME_SCHEMA = {"anyOf": [{"type": "string", "format": "date-time"}, {"type": "nu
 Count = Annotated[int, BeforeValidator(_json_number), Field(ge=0, le=2**53)]
 EventId = Annotated[str, Field(min_length=1, max_length=200, description="Unique id; a repeated id is applied once.")]
 Status = PromptStatus
+PLUGIN_REASON_LENGTH = 2000  # a plugin's explanation (its state, its self-heal), in characters at most
 
 
 def _type_required(schema: dict[str, Any]) -> None:
@@ -179,6 +181,25 @@ class WarmupDecided(_Event):
     )
 
 
+class SelfHealDecided(_Event):
+    """The verl plugin's self-heal after the warmup of a resumed start (``TQMON_SELF_HEAL``): its inputs, the
+    deficit ``max(0, T - (R - doomed + M))`` they give, and the fresh groups it submitted through verl's own
+    ``_add_prompts_to_generate`` (0 in ``dry-run``, or when it could not)."""
+
+    type: Literal["self_heal_decided"] = "self_heal_decided"
+    mode: SelfHealMode
+    target_prompt_groups: Count = Field(description="T")
+    restored_prompt_groups: Count = Field(description="R")
+    doomed_prompt_groups: dict[DoomReason, Count] = Field(description="doomed by reason; only the known reasons")
+    warmup_prompt_groups: Count = Field(description="M: what verl's warmup submitted")
+    deficit_prompt_groups: Count = Field(description="max(0, T - (R - doomed + M)), unknown reasons as 0")
+    deficit_exact: bool = Field(description="every doom reason known; false: the deficit is a lower bound")
+    max_top_up: Count
+    planned_prompt_groups: Count = Field(description="what this mode would submit")
+    submitted_prompt_groups: Count = Field(description="what was submitted: the window's extra groups")
+    reason: str = Field("", max_length=PLUGIN_REASON_LENGTH, description="why, in the plugin's words")
+
+
 class StepCompleted(_Event):
     """One trainer step finished."""
 
@@ -254,7 +275,6 @@ class WindowObserved(_Event):
 
 
 PluginWindow = Literal["reporting", "off", "refused", "failed"]
-PLUGIN_REASON_LENGTH = 2000
 
 
 class PluginStateChanged(_Event):
@@ -276,6 +296,7 @@ Event = Annotated[
     | CheckpointRestored
     | InflightReissued
     | WarmupDecided
+    | SelfHealDecided
     | StepCompleted
     | CheckpointSaved
     | WindowObserved
@@ -288,6 +309,7 @@ EVENT_TYPES: tuple[type[_Event], ...] = (
     CheckpointRestored,
     InflightReissued,
     WarmupDecided,
+    SelfHealDecided,
     StepCompleted,
     CheckpointSaved,
     WindowObserved,

@@ -30,6 +30,7 @@ from tqmon.events import (
     InflightReissued,
     PluginStateChanged,
     RunStarted,
+    SelfHealDecided,
     StepCompleted,
     TrainingStarted,
     WarmupDecided,
@@ -46,6 +47,7 @@ from tqmon.snapshot import (
     PluginView,
     ResumeRecord,
     RunInfo,
+    SelfHeal,
     SourceName,
     WarmupOutcome,
     WindowView,
@@ -230,6 +232,22 @@ class Reconciler:
                 _take_decision(evidence_of, event)
                 _claim_decision(evidence_of, event, source, at)
                 evidence_of.loop_started_at = _latest(evidence_of.loop_started_at, self._event_time)
+            case SelfHealDecided():
+                evidence_of = self._attach(None, True, at, lambda o: o.self_heal is None)
+                evidence_of.self_heal = SelfHeal(
+                    mode=event.mode,
+                    target=event.target_prompt_groups,
+                    restored=event.restored_prompt_groups,
+                    doomed=_str_keys(event.doomed_prompt_groups),
+                    warmup_submitted=event.warmup_prompt_groups,
+                    deficit=event.deficit_prompt_groups,
+                    deficit_exact=event.deficit_exact,
+                    max_top_up=event.max_top_up,
+                    planned=event.planned_prompt_groups,
+                    submitted=event.submitted_prompt_groups,
+                    reason=event.reason,
+                    event_id=event.id,
+                )
             case StepCompleted():
                 self.trainer_step = event.global_step
                 self._check_repeat(event, source, at)

@@ -46,6 +46,20 @@ def describe_regression(regression: StepRegression) -> str:
     return f"began at step {regression.step}, step {regression.newer_step} was saved ({regression.reason})"
 
 
+def self_heal(record: ResumeRecord) -> str:
+    """The plugin's self-heal decision with its inputs, or ``-`` when it was off."""
+    heal = record.self_heal
+    if heal is None:
+        return "-"
+    doomed = ", ".join(f"{reason} {n}" for reason, n in heal.doomed.items()) or "none known"
+    done = f"submitted {heal.submitted}" if heal.mode == "on" else f"would submit {heal.planned}"
+    exact = "" if heal.deficit_exact else " (lower bound)"
+    return (
+        f"{heal.mode}: {done} of deficit {heal.deficit}{exact} "
+        f"(T {heal.target}, R {heal.restored}, doomed {doomed}, M {heal.warmup_submitted}, cap {heal.max_top_up})"
+    )
+
+
 def deficit(record: ResumeRecord) -> str:
     """The deficit as a number, or ``at least N (doomed stale not known)`` when it is a lower bound."""
     if record.under_submitted is None:
@@ -132,4 +146,5 @@ def table(records: Sequence[ResumeRecord]) -> str:
         )
     widths = [max(len(row[i]) for row in rows) for i in range(len(COLUMNS))]
     lines = ["  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)).rstrip() for row in rows]
+    lines += [f"#{r.index} self-heal {self_heal(r)}" for r in records if r.self_heal is not None]
     return "\n".join(lines)

@@ -116,6 +116,24 @@ class CheckpointListing:
 
 
 @dataclass(frozen=True, slots=True)
+class SelfHeal:
+    """The verl plugin's self-heal decision for a start (``self_heal_decided``), as it reported it."""
+
+    mode: str  # dry-run | on
+    target: int  # T
+    restored: int  # R
+    doomed: Mapping[str, int]  # the known reasons
+    warmup_submitted: int  # M, verl's warmup
+    deficit: int  # before the top-up
+    deficit_exact: bool
+    max_top_up: int
+    planned: int  # what the mode would submit
+    submitted: int  # what it submitted (counts in M for the deficit after it)
+    reason: str
+    event_id: str
+
+
+@dataclass(frozen=True, slots=True)
 class ResumeRecord:
     """One trainer start (a resume from global_step_N, or a fresh start) and what its warmup did."""
 
@@ -151,6 +169,7 @@ class ResumeRecord:
     cost: ResumeCost = field(default_factory=ResumeCost)  # what the resume cost; all unknown for a fresh start
     # The start began older than a step already saved, and steps logged twice since (empty: none seen).
     step_regressions: tuple[StepRegression, ...] = ()
+    self_heal: SelfHeal | None = None  # the plugin's top-up after the warmup; None when it was off
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)

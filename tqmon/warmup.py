@@ -39,6 +39,8 @@ Semantics = Literal["verl-0.9.1", "verl-0.9.0"]
 SEMANTICS: tuple[Semantics, ...] = get_args(Semantics)
 CURRENT: Semantics = "verl-0.9.1"
 LEGACY: Semantics = "verl-0.9.0"
+SelfHealMode = Literal["off", "dry-run", "on"]  # the plugin's self-heal: off (default), record only, submit
+SELF_HEAL_MODES: tuple[SelfHealMode, ...] = get_args(SelfHealMode)
 
 
 def _not_bool(value: object) -> object:
@@ -462,3 +464,39 @@ def under_submitted(target: int, restored: int, doomed: int, submitted: int) -> 
     if doomed > restored:
         raise ValueError(f"doomed ({doomed}) cannot exceed restored ({restored})")
     return max(0, target - (restored - doomed + submitted))
+
+
+@dataclass(frozen=True, slots=True)
+class TopUp:
+    """The self-heal's decision for one resume: the deficit and how many groups close it."""
+
+    deficit: int  # max(0, T - (R - doomed + M)), unknown doom reasons counted as 0
+    exact: bool  # every doom reason known: the deficit is exact, not a lower bound
+    planned: int  # groups to submit: the deficit, capped, in whole gen_batch_size chunks
+    reason: str  # why ``planned`` is what it is, in a sentence
+
+
+def plan_top_up(
+    config: WarmupConfig, restored: int, doomed: Mapping[str, int] | None, submitted: int, cap: int
+) -> TopUp:
+    """How many fresh groups make the window T again after verl's warmup submitted ``submitted`` (M).
+
+    The deficit is :func:`under_submitted` of the doomed groups :func:`known_doomed` decided, never a second
+    formula. A lower bound (a doom reason unknown) is submitted as far as it is known; the cap and verl's
+    dataloader granularity (whole ``gen_batch_size`` fetches) only ever lower the number.
+    """
+    target = target_window(config)
+    if config.trainer_mode == "sync" or config.skip_rollout_tq or config.num_warmup_batches <= 0:
+        return TopUp(0, doomed_complete(doomed), 0, f"the warmup is off ({skip_reason(config)}): nothing to top up")
+    lost = sum((doomed or {}).values())
+    deficit = under_submitted(target, restored, min(lost, restored), submitted)
+    exact = doomed_complete(doomed)
+    chunk = config.effective_gen_batch_size
+    planned = min(deficit, cap) // chunk * chunk
+    unknown = "" if exact else f" (a lower bound: doomed {', '.join(unknown_doom_reasons(doomed))} not known)"
+    parts = [f"deficit {deficit}{unknown}"]
+    if deficit > cap:
+        parts.append(f"capped at max_top_up {cap}")
+    if planned < min(deficit, cap):
+        parts.append(f"rounded down to whole gen_batch_size {chunk} fetches")
+    return TopUp(deficit, exact, planned, "; ".join(parts))

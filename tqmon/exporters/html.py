@@ -13,7 +13,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from datetime import UTC, datetime
 
 from tqmon.conditions import Condition, ConditionState, evaluate
-from tqmon.report import describe_regression, verdict
+from tqmon.report import describe_regression, self_heal, verdict
 from tqmon.snapshot import CheckpointView, Evidence, ResumeRecord, Snapshot, SourceHealth, Tally, WindowView
 from tqmon.versions import VerlVersion
 from tqmon.warmup import DOOM_REASONS, PROMPT_STATUSES, TRAIN, WarmupState, doomed_complete, unknown_doom_reasons
@@ -308,7 +308,7 @@ def _last_start(record: ResumeRecord | None, now: float) -> str:
             "tqmon has no log line, event or checkpoint restore of this run.</p></section>"
         )
     expected_submitted = f"{_num(record.expected)} / {_num(record.submitted)}"
-    numbers = (
+    numbers: tuple[tuple[str, str, str], ...] = (
         ("R restored", "restored", _num(record.restored)),
         ("K re-issued", "reissued", _num(record.reissued)),
         ("T target", "target", _num(record.target)),
@@ -317,6 +317,8 @@ def _last_start(record: ResumeRecord | None, now: float) -> str:
         ("doomed", "doomed", _doomed_total(record.doomed)),
         ("deficit", "deficit-box", _deficit(record)),
     )
+    if record.self_heal is not None:  # the plugin's top-up, with its inputs (absent when the self-heal is off)
+        numbers += (("self-heal", "self-heal", _e(self_heal(record))),)
     cells = "".join(f'<div><dt>{_e(label)}</dt><dd data-k="{key}">{value}</dd></div>' for label, key, value in numbers)
     bar = ""
     if record.restored_by_status is not None:

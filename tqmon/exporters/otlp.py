@@ -270,6 +270,12 @@ RESUME_ATTRIBUTES: dict[str, str] = {
     "tqmon.resume.under_submitted_lower_bound": "true when the deficit is only a lower bound (a doom reason unknown)",
     "tqmon.resume.first_step.evicted.<reason>": "what the first sample really evicted (first_step only)",
     "tqmon.resume.first_step.generation_wait_seconds": "the first step's wait for rollouts (first_step only)",
+    "tqmon.resume.self_heal.mode": "the verl plugin's self-heal mode, `on` or `dry-run` (absent when off)",
+    "tqmon.resume.self_heal.deficit": "the deficit the self-heal derived before its top-up",
+    "tqmon.resume.self_heal.deficit_exact": "false when that deficit was a lower bound",
+    "tqmon.resume.self_heal.planned": "what the mode would submit (the deficit, capped)",
+    "tqmon.resume.self_heal.submitted": "what it submitted; counts in M for `tqmon.resume.under_submitted`",
+    "tqmon.resume.self_heal.reason": "the self-heal's decision in its own words",
     "tqmon.resume.warmup_state": "a `tqmon_resume_warmup_state` state",
     "tqmon.resume.semantics": "verl-0.9.1 or verl-0.9.0 (legacy unconditional warmup)",
     "tqmon.resume.verdict": "`ok` or the problems, as `tqmon analyze` prints them",
@@ -307,6 +313,16 @@ def resume_attributes(record: ResumeRecord, phase: str) -> dict[str, AttributeVa
     if phase == "first_step":  # a record decided and sealed between two looks still reports its phases apart
         by_key.append(("tqmon.resume.first_step.evicted.", record.first_step_evictions))
         known["tqmon.resume.first_step.generation_wait_seconds"] = record.first_step_generation_wait_seconds
+    heal = record.self_heal
+    if heal is not None:
+        known |= {
+            "tqmon.resume.self_heal.mode": heal.mode,
+            "tqmon.resume.self_heal.deficit": heal.deficit,
+            "tqmon.resume.self_heal.deficit_exact": heal.deficit_exact,
+            "tqmon.resume.self_heal.planned": heal.planned,
+            "tqmon.resume.self_heal.submitted": heal.submitted,
+            "tqmon.resume.self_heal.reason": heal.reason,
+        }
     for prefix, counts in by_key:
         known |= {prefix + key: n for key, n in (counts or {}).items()}
     return {key: value for key, value in known.items() if value is not None}

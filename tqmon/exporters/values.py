@@ -10,7 +10,7 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 
 from tqmon.catalog import BY_NAME, OTLP_SIGNALS, STATE_WRITE_FAILURE_REASONS, MetricSpec
-from tqmon.snapshot import TALLY_OWNERS, RegressionReason, ResumeRecord, Snapshot, Tally
+from tqmon.snapshot import TALLY_OWNERS, RegressionReason, ResumeRecord, SelfHeal, Snapshot, Tally
 from tqmon.warmup import PROMPT_STATUSES
 
 Labels = tuple[str, ...]
@@ -59,6 +59,11 @@ def _regressions(record: ResumeRecord) -> list[Series]:
     for regression in record.step_regressions:
         steps[regression.reason] += regression.steps
     return [Series((reason,), steps[reason]) for reason in RegressionReason]
+
+
+def _self_heal_groups(heal: SelfHeal) -> float:
+    """What ``on`` submitted; what ``dry-run`` would have."""
+    return heal.submitted if heal.mode == "on" else heal.planned
 
 
 def _counter(spec: MetricSpec, snapshot: Snapshot, sources: tuple[str, ...]) -> list[Series]:
@@ -133,6 +138,9 @@ def metric_values(snapshot: Snapshot, now: float) -> Iterator[tuple[MetricSpec, 
             "tqmon_resume_under_submitted_lower_bound": []
             if record.under_submitted is None
             else [Series((), float(record.under_submitted_lower_bound))],
+            "tqmon_resume_self_heal_prompt_groups": []
+            if record.self_heal is None
+            else [Series((record.self_heal.mode,), _self_heal_groups(record.self_heal))],
             "tqmon_resume_first_step_evicted_prompt_groups": [
                 Series((r,), n) for r, n in (record.first_step_evictions or {}).items()
             ],

@@ -87,6 +87,9 @@ REPLAY_BUFFER_PINS = (SYNC, MATERIALIZE, *BUFFER_SETS)
 # The trainer: where the plugin finds the replay buffer (the ``self`` of generate_sequences' caller).
 TRAINER_BUFFER = Pin(TRAINER, "replay_buffer")
 
+# The self-heal submits its top-up through the trainer's own submission path, the one the warmup uses.
+ADD_PROMPTS = Pin(TRAINER, "_add_prompts_to_generate", "(num_prompts)")
+
 # The methods the plugin's classes override; verl calls them.
 GENERATE = Pin(AGENT_LOOP_MANAGER, "generate_sequences", "(prompts)")
 CREATE = Pin(AGENT_LOOP_MANAGER, "create", "(*args, **kwargs)")
@@ -116,6 +119,7 @@ TRAINER_SUBMITTERS = tuple(pin for _, pins in SUBMITTERS for pin in pins if pin.
 ALL: tuple[Pin, ...] = (
     *REPLAY_BUFFER_PINS,
     TRAINER_BUFFER,
+    ADD_PROMPTS,
     GENERATE,
     CREATE,
     ON_SAVE,

@@ -17,6 +17,7 @@ from tqmon.composition import Composition
 from tqmon.events import (
     CheckpointRestored,
     Event,
+    GroupCount,
     InflightReissued,
     TrainingStarted,
     WarmupDecided,
@@ -24,7 +25,8 @@ from tqmon.events import (
 from tqmon.warmup import SkipReason, TrainerConfig
 from tqmon.warmup import skip_reason as warmup_skip_reason
 
-Submission = Literal["reissue", "warmup", "step", "refill", "validation", "unknown"]
+# ``self_heal``: the plugin's own top-up after the warmup; counted, never part of verl's warmup or re-issue.
+Submission = Literal["reissue", "warmup", "step", "refill", "validation", "self_heal", "unknown"]
 
 
 class Sink(Protocol):
@@ -44,45 +46,56 @@ class StartReporter:
         self._ids = ids
         self._config = config
         self._mode = trainer_mode
-        self._resumed_from: int | None = None
+        self.resumed_from: int | None = None
+        self.groups: list[GroupCount] | None = None  # what verl restored, as read before its re-issue
         self._restored = 0
         self._cleared = 0  # trajectories of in-flight groups: the re-issue clears them
         self._reissued = False
-        self._warmup = 0
+        self.warmup = 0  # M: the prompts verl's warmup submitted
         self._decided = False
         self.submissions: Counter[Submission] = Counter()  # prompts by kind, for logs and tests
 
-    def started(self, resumed_from: int | None, path: str | None, window: Composition | None) -> None:
-        """verl picked its start (``resumed_from`` = N) and, when it restored TransferQueue, ``window``."""
-        self._resumed_from = resumed_from
+    def started(
+        self,
+        resumed_from: int | None,
+        path: str | None,
+        window: Composition | None,
+        groups: list[GroupCount] | None = None,
+    ) -> None:
+        """verl picked its start (``resumed_from`` = N) and, when it restored TransferQueue, ``window``;
+        ``groups`` is its composition with DAPO's verdicts where they were judged (else ``window``'s)."""
+        self.resumed_from = resumed_from
         self._sink.post(TrainingStarted(id=f"{self._ids}/start", resumed_from_step=resumed_from, checkpoint_path=path))
         if window is None:
             return
         self._restored, self._cleared = window.restored, window.inflight_trajectories
+        self.groups = groups if groups is not None else window.group_counts()
         self._sink.post(
             CheckpointRestored(
                 id=f"{self._ids}/restore",
                 step=resumed_from,
                 restored_prompt_groups=window.restored,
-                groups=window.group_counts(),
+                groups=self.groups,
             )
         )
 
-    def submitted(self, kind: Submission, prompts: int) -> None:
-        """One ``generate_sequences`` call of ``prompts`` prompt groups."""
+    def submitted(self, kind: Submission, prompts: int) -> bool:
+        """One ``generate_sequences`` call of ``prompts`` prompt groups; True when it ended the warmup (and
+        ``warmup_decided`` was reported): the moment a self-heal may top the window up."""
         self.submissions[kind] += prompts
-        if kind in ("validation", "unknown") or self._decided:
-            return
+        if kind in ("validation", "self_heal", "unknown") or self._decided:
+            return False
         if kind == "reissue":
             self._reissue(prompts)
         elif kind == "warmup":
-            self._warmup += prompts
+            self.warmup += prompts
         else:
-            self._decide()
+            return self._decide()
+        return False
 
     def _reissue(self, prompts: int) -> None:
         self._reissued = True
-        step = None if self._resumed_from is None else self._resumed_from + 1
+        step = None if self.resumed_from is None else self.resumed_from + 1
         self._sink.post(
             InflightReissued(
                 id=f"{self._ids}/reissue",
@@ -92,19 +105,20 @@ class StartReporter:
             )
         )
 
-    def _decide(self) -> None:
+    def _decide(self) -> bool:
         """The warmup is over: report what it submitted (verl re-issues nothing when nothing was in flight),
-        unless an unknown submission came first: it may have been the warmup or the re-issue."""
+        unless an unknown submission came first: it may have been the warmup or the re-issue (False then)."""
         self._decided = True
         if self.submissions["unknown"]:
-            return
-        if self._resumed_from is not None and not self._reissued:
+            return False
+        if self.resumed_from is not None and not self._reissued:
             self._reissue(0)
         self._sink.post(
             WarmupDecided(
                 id=f"{self._ids}/warmup",
                 restored_prompt_groups=self._restored,
-                submitted_prompt_groups=self._warmup,
-                skip_reason=None if self._warmup else skip_reason(self._config, self._mode),
+                submitted_prompt_groups=self.warmup,
+                skip_reason=None if self.warmup else skip_reason(self._config, self._mode),
             )
         )
+        return True

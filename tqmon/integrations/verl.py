@@ -20,7 +20,8 @@ import os
 import sys
 import threading
 import uuid
-from collections.abc import Callable
+from collections import Counter, defaultdict
+from collections.abc import Callable, Mapping
 from types import FrameType
 from typing import Any, ClassVar
 
@@ -29,15 +30,17 @@ from verl.trainer.ppo.v1.agent_loop_tq import AgentLoopManagerTQ
 from verl.utils.checkpoint.checkpoint_manager import find_latest_ckpt_path
 from verl.utils.ray_utils import auto_await
 
+from tqmon.checkpoint.storage import REWARD_METRIC
 from tqmon.composition import Composition, compose
-from tqmon.events import PLUGIN_REASON_LENGTH, CheckpointSaved, PluginStateChanged, PluginWindow, RunStarted
+from tqmon.events import PLUGIN_REASON_LENGTH, CheckpointSaved, GroupCount, PluginStateChanged, PluginWindow, RunStarted
 from tqmon.hydra_config import trainer_settings
 from tqmon.integrations import pins
 from tqmon.integrations.logs import RateLimitedLog
 from tqmon.integrations.poster import EventPoster
 from tqmon.integrations.resume import StartReporter, Submission
+from tqmon.integrations.selfheal import decide, self_heal_settings
 from tqmon.integrations.window import DEFAULT_INTERVAL, WindowReporter
-from tqmon.warmup import TQ_DIR, TRAIN
+from tqmon.warmup import TQ_DIR, TRAIN, SelfHealMode, is_zero_variance
 
 try:
     from verl.trainer.ppo.checkpoint_callback import CheckpointCallback
@@ -86,6 +89,41 @@ def window() -> Composition:
     return compose(tq.kv_list(TRAIN).get(TRAIN, {}))
 
 
+def dapo_filtered(tags: Mapping[str, Any], metric: str) -> set[str]:
+    """The finished groups DAPO rejects at the first sample: ``ReplayBuffer._dapo_filtered_keys`` reads one
+    field per trajectory (``rm_scores`` summed for ``reward``, else ``extra_fields``' ``reward_extra_info``);
+    the verdict is :func:`tqmon.warmup.is_zero_variance`. A group lacking the metric is not judged filtered."""
+    finished = {key for key, tag in tags.items() if tag.get("is_prompt", False) and tag.get("status") == "finished"}
+    keys = [key for key, tag in tags.items() if not tag.get("is_prompt", False) and key.split("_")[0] in finished]
+    if not keys:
+        return set()
+    field = "rm_scores" if metric == REWARD_METRIC else "extra_fields"
+    data = tq.kv_batch_get(keys=keys, partition_id=TRAIN, select_fields=[field])
+    values: dict[str, list[float]] = defaultdict(list)
+    for key, value in zip(keys, list(data[field]), strict=True):
+        if field == "rm_scores":
+            values[key.split("_")[0]].append(float(value.sum().item()))
+            continue
+        extra = getattr(value, "data", value)
+        info = extra.get("reward_extra_info", {}) if isinstance(extra, dict) else {}
+        if metric in info:
+            values[key.split("_")[0]].append(float(info[metric]))
+    return {uid for uid, metrics in values.items() if is_zero_variance(metrics)}
+
+
+def judged_groups(tags: Mapping[str, Any], filtered: set[str]) -> list[GroupCount]:
+    """The restored prompt groups by status, ``global_steps`` and DAPO's verdict."""
+    counts = Counter(
+        (tag["status"], tag["global_steps"], key in filtered)
+        for key, tag in tags.items()
+        if tag.get("is_prompt", False)
+    )
+    return [
+        GroupCount(status=status, global_steps=steps, count=n, filtered=judged)
+        for (status, steps, judged), n in sorted(counts.items(), key=lambda item: (item[0][1], item[0][0], item[0][2]))
+    ]
+
+
 def _verl_version() -> str:
     import verl
 
@@ -106,6 +144,17 @@ def refusal(what: str, found: list[str], instead: str = KV_LIST_INSTEAD) -> str:
         f"tqmon: {what}: {'; '.join(found)}. This verl ({_verl_version() or 'version unknown'}) is not the verl "
         f"{pins.VERL_VERSION} tqmon's hooks are pinned to; verl runs untouched and {instead}"
     )
+
+
+def heal_refusal(trainer_mode: str) -> str | None:
+    """The one line that turns a requested self-heal off: sync mode has no prefetch window, and a verl other
+    than the pinned one may warm up differently (0.9.0 over-fills by R); None where it may run."""
+    if trainer_mode == "sync":
+        return "tqmon: self-heal refused: trainer_mode sync has no prefetch window to top up; verl runs untouched"
+    version = _verl_version()
+    if version != pins.VERL_VERSION:
+        return refusal("self-heal refused", ["its warmup is not known to be 0.9.1's"], "the self-heal is off")
+    return None
 
 
 def _no_report(window: PluginWindow, reason: str) -> None:
@@ -324,8 +373,14 @@ class TqmonAgentLoopManager(AgentLoopManagerTQ):  # type: ignore[misc]
         self._window: WindowReporter | None = None  # until the trainer's replay buffer is watched
         self._prompts = inspect.signature(super().generate_sequences)  # verl's, to bind its arguments by name
         self._failures = RateLimitedLog(log)
+        self._heal: tuple[SelfHealMode, int | None] = ("off", None)
+        self._healing = False  # the self-heal's own submission is under way
         try:
             state = plugin(self.config)
+            self._heal = self_heal_settings(self.config)
+            if self._heal[0] != "off" and (why := heal_refusal(state.mode)) is not None:
+                log.warning(why)
+                self._heal = ("off", None)
             if state.poster is not None:
                 self._plugin, self._window = state, state.window
                 found = pins.difference(pins.GENERATE, AgentLoopManagerTQ)
@@ -352,7 +407,16 @@ class TqmonAgentLoopManager(AgentLoopManagerTQ):  # type: ignore[misc]
             restored = folder is not None and os.path.exists(os.path.join(folder, TQ_DIR))
             step = int(folder.rsplit("global_step_", 1)[-1]) if folder is not None else None
             sync = self.config.trainer.v1.trainer_mode == "sync"
-            self._tqmon.started(step, folder, window() if restored and not sync else None)
+            tags = tq.kv_list(TRAIN).get(TRAIN, {}) if restored and not sync else None
+            composition = compose(tags) if tags is not None else None
+            groups = None
+            metric = self._plugin.settings.dapo_metric if self._plugin is not None else None
+            if tags is not None and metric is not None:
+                try:
+                    groups = judged_groups(tags, dapo_filtered(tags, metric))
+                except Exception as err:  # the verdicts stay unknown: the doomed count is a lower bound
+                    log.warning("tqmon: could not judge the restored groups for DAPO: %s: %s", type(err).__name__, err)
+            self._tqmon.started(step, folder, composition, groups)
         except Exception:
             log.exception("tqmon: could not report the restored window")
 
@@ -364,12 +428,47 @@ class TqmonAgentLoopManager(AgentLoopManagerTQ):  # type: ignore[misc]
         if self._tqmon is not None:
             try:
                 prompts = self._prompts.bind(*args, **kwargs).arguments["prompts"]
-                self._tqmon.submitted(classify(caller), len(prompts))
+                kind: Submission = "self_heal" if self._healing else classify(caller)
+                if self._tqmon.submitted(kind, len(prompts)):
+                    self._self_heal(caller)
             except Exception as err:
                 self._failures.warning(f"tqmon: could not report a submission: {type(err).__name__}: {err}", err)
         if self._window is not None:
             self._watch(caller)
         return result
+
+    def _self_heal(self, caller: FrameType) -> None:
+        """Right after verl's warmup decision of a resumed start (the first step batch's dispatch, before the
+        first sample): top the window up through the trainer's own ``_add_prompts_to_generate``."""
+        mode, cap = self._heal
+        reporter, state = self._tqmon, self._plugin
+        if mode == "off" or reporter is None or state is None or state.poster is None:
+            return
+        if reporter.groups is None or reporter.resumed_from is None:
+            return  # a fresh start, or a resume without TransferQueue state: verl's warmup fills T
+        trainer = caller.f_locals.get("self")
+        found = pins.difference(pins.ADD_PROMPTS, trainer)
+        if found is not None:
+            log.warning(refusal("the self-heal submits nothing", [found], "verl's warmup is left as it decided"))
+            return
+        before = reporter.submissions["self_heal"]
+        self._healing = True
+        try:
+            decide(
+                state.poster,
+                f"{state.ids}/self_heal",
+                mode,
+                cap,
+                state.settings.warmup_config(state.mode),
+                reporter.groups,
+                reporter.resumed_from,
+                reporter.warmup,
+                getattr(trainer, pins.ADD_PROMPTS.name),
+                lambda: reporter.submissions["self_heal"] - before,
+                self._failures,
+            )
+        finally:
+            self._healing = False
 
     def _watch(self, caller: FrameType) -> None:
         """The trainer submits through its own methods (``fit`` hands it this manager), so the caller's ``self``
