@@ -354,7 +354,9 @@ def test_retention_by_age_keeps_the_latest_start_and_young_events(tmp_path: Path
     tracker.ingest([parse_event(e) for e in resume_events(10, now[0])], "events")
     now[0] += 40 * 86400.0
     tracker.ingest([parse_event(e) for e in resume_events(20, now[0])], "events")
-    tracker.ingest([parse_event(step(k, "young")) for k in range(30)], "events")
+    # The steps after it (22 on: steps no newer than the resumed-from 20 would be counted twice, a regression
+    # whose evidence retention keeps).
+    tracker.ingest([parse_event(step(22 + k, "young")) for k in range(30)], "events")
     retention = Retention(tracker, store, RetentionPolicy(records=100, days=30), clock=lambda: now[0])
     # The 40-day-old start but its first step (the last step before the latest start: its cost reads it);
     # everything younger than an hour stays.

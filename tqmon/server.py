@@ -365,7 +365,7 @@ def serve_forever(config: ServiceConfig) -> None:
     config.validate()
     sock = bind(host, port, resolved)
     try:
-        service = Service(config, announce=lambda line: print(line, file=sys.stderr, flush=True))
+        service = Service(config, announce=announce_line)
     except BaseException:
         sock.close()
         raise
@@ -377,3 +377,10 @@ def serve_forever(config: ServiceConfig) -> None:
     )
     server = uvicorn.Server(settings)
     server.run(sockets=[sock])
+
+
+def announce_line(line: str) -> None:
+    """A source's state line on stderr in one write: print() writes the text and the newline apart, and
+    uvicorn's logger (another thread, the same stream) can land in between."""
+    sys.stderr.write(line + "\n")
+    sys.stderr.flush()
