@@ -309,8 +309,7 @@ class Reconciler:
         bare = event.status_counts() is None
         if not bare:
             self._compositions[event.step] = (event, source, at)
-            while len(self._compositions) > KEPT_COMPOSITIONS:
-                del self._compositions[min(self._compositions)]
+            self._trim_compositions()
         # Never step back, and a bare log line never hides a composition read for the same step.
         older = current is not None and event.step < current.step
         if not older and not (bare and current is not None and current.step == event.step and current.by_status):
@@ -318,6 +317,17 @@ class Reconciler:
             self._derive_checkpoint()
         if not bare:
             self._rederive()  # the open start may have resumed from this very checkpoint
+
+    def _trim_compositions(self) -> None:
+        """Keep the newest :data:`KEPT_COMPOSITIONS`, and always the ones the open start is judged against (the
+        checkpoint it loaded, the newest before it): the trainer saves on after a resume, and dropping them
+        would withdraw the verdicts they gave (the composition's R, the live window's bounds) mid-run."""
+        obs = self._observed
+        step = obs.checkpoint_step if obs is not None and obs.resumed else None
+        before = self._before(step)
+        pinned = {step, None if before is None else before[0].step}
+        while len(self._compositions) > KEPT_COMPOSITIONS:
+            del self._compositions[min(s for s in self._compositions if s not in pinned)]
 
     def observe_checkpoint_dir(self, event: CheckpointSaved | None) -> None:
         """The checkpoint dir as it is now: its latest checkpoint, or None when it has none it can read (gone,
