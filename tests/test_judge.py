@@ -122,12 +122,13 @@ def test_a_miscounted_restore_keeps_its_verdict_whatever_the_arrival_order_and_w
     logged = log(
         *healthy_log(restored=30, submitted=0, target=20), window(4, 3, 5), ev("step_completed", global_step=41)
     )
-    saves_after = [
+    saves_after: list[tuple[str, dict[str, Any] | CheckpointSaved]] = [
         ("checkpoint", checkpoint(step, [GroupCount(status="pending", global_steps=step, count=8)]))
         for step in range(42, 42 + KEPT_COMPOSITIONS + 2)
     ]
     expected = {"restored": {"log": 30, "checkpoint": 8}, "window_after_warmup": {"log R + M": 30, "log": 12}}
-    for steps in ([("checkpoint", checkpoint()), *logged], [*logged, ("checkpoint", checkpoint())]):
+    loaded: tuple[str, dict[str, Any] | CheckpointSaved] = ("checkpoint", checkpoint())
+    for steps in ([loaded, *logged], [*logged, loaded]):
         state = fold(*steps, *saves_after, config=t20)
         [record] = state.records
         assert said(record) == expected
