@@ -135,6 +135,27 @@ def test_a_miscounted_restore_keeps_its_verdict_whatever_the_arrival_order_and_w
         assert record.disagreements[-1].tolerance == "allowed 30..34"  # global_step_40's split: nothing doomed
 
 
+def test_a_poll_taken_before_the_first_step_line_counts_whichever_arrives_first() -> None:
+    """The TQ poller and the log race: a window polled after the decision but before the first step completed
+    is the one compared, whether the step line was applied before it or after; a poll taken after the step
+    line is not (the next step has changed the window since)."""
+    t20 = T12 | {"num_warmup_batches": 5}
+    polled = WindowView("train", "tq", 1005.0, {"pending": 4, "running": 4})  # the decision was at 1004
+    step = parse_event({"id": "step", **ev("step_completed", global_step=41)})
+    later = WindowView("train", "tq", 1007.0, {"pending": 30})
+    for window_first in (True, False):
+        state = fold(("checkpoint", checkpoint()), *log(*healthy_log(restored=30, submitted=0, target=20)), config=t20)
+        if window_first:
+            state.observe_windows([polled])
+        state.apply(step, "log", 1006.0)
+        state.observe_windows([later] if window_first else [polled, later])
+        [record] = state.records
+        assert said(record) == {
+            "restored": {"log": 30, "checkpoint": 8},
+            "window_after_warmup": {"log R + M": 30, "tq": 8},
+        }, window_first
+
+
 def test_every_pair_of_sources_is_compared() -> None:
     """The plugin's K and split against the log and the checkpoint; T and M against the config."""
     plugin = ev("checkpoint_restored", restored_prompt_groups=8, by_status=SPLIT | {"running": 0, "finished": 6})

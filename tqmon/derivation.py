@@ -94,6 +94,7 @@ class Observed:
     skip_reason: str | None = None
     legacy_batches: int | None = None
     first_step_evictions: dict[str, int] | None = None
+    sealed_at: float | None = None  # when its first step completed (the line's time, else its receipt)
     first_step_wait: float | None = None
     evidence: list[Evidence] = field(default_factory=list)
     claims: dict[str, list[Claim]] = field(default_factory=dict)  # quantity -> what each source said, in order
@@ -123,10 +124,12 @@ class Observed:
         """Keep the windows the judge compares; True when this one is kept.
 
         Only windows seen once the trainer reported its restore (or its decision) count: before that a new
-        controller is still being loaded and a poll sees it half-filled.
+        controller is still being loaded and a poll sees it half-filled. And only those seen before its first
+        step completed, by when they were seen, not by when they arrived: a poll taken before the step line
+        but applied after it still counts, so the verdict does not depend on which source tqmon heard first.
         """
         reported = [t for t in (self.restored_at, self.decided_at) if t is not None]
-        if not reported or window.at < min(reported):
+        if not reported or window.at < min(reported) or (self.sealed_at is not None and window.at > self.sealed_at):
             return False
         kept = self.first_window is None
         if kept:

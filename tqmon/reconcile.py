@@ -242,6 +242,7 @@ class Reconciler:
                 if obs is not None and not obs.sealed:
                     evicted = _str_keys(event.evicted_prompt_groups)
                     obs.first_step_evictions = {r: evicted.get(r, 0) for r in DOOM_REASONS}
+                    obs.sealed_at = at
                     obs.first_step_wait = event.generation_wait_seconds
                     obs.first_step_seconds = event.step_seconds
                     evidence_of = obs
@@ -296,7 +297,7 @@ class Reconciler:
         seen = Claim(window.source, window.total, window.observed_at, event_id)
         self._last_train_window = seen
         obs = self._observed
-        if obs is not None and not obs.sealed and obs.saw_window(seen):
+        if obs is not None and obs.saw_window(seen):  # it also takes a poll taken before its first step's line
             self._rederive()
 
     def _saved(self, event: CheckpointSaved, source: str, at: float) -> None:
