@@ -135,25 +135,38 @@ def test_a_miscounted_restore_keeps_its_verdict_whatever_the_arrival_order_and_w
         assert record.disagreements[-1].tolerance == "allowed 30..34"  # global_step_40's split: nothing doomed
 
 
-def test_a_poll_taken_before_the_first_step_line_counts_whichever_arrives_first() -> None:
-    """The TQ poller and the log race: a window polled after the decision but before the first step completed
-    is the one compared, whether the step line was applied before it or after; a poll taken after the step
-    line is not (the next step has changed the window since)."""
+def test_the_window_compared_is_the_first_polled_after_the_decision_whichever_source_tqmon_hears_first() -> None:
+    """The TQ poller and the log race: the window polled after the decision (the log's lines carry the trainer's
+    times, 1001-1004) and before the first step completed is the one compared, whether it arrives before the
+    log lines (the log lags), between them and the step line, or after the step line; a poll taken after the
+    step line is not (the next step has changed the window since)."""
     t20 = T12 | {"num_warmup_batches": 5}
-    polled = WindowView("train", "tq", 1005.0, {"pending": 4, "running": 4})  # the decision was at 1004
-    step = parse_event({"id": "step", **ev("step_completed", global_step=41)})
-    later = WindowView("train", "tq", 1007.0, {"pending": 30})
-    for window_first in (True, False):
-        state = fold(("checkpoint", checkpoint()), *log(*healthy_log(restored=30, submitted=0, target=20)), config=t20)
-        if window_first:
-            state.observe_windows([polled])
-        state.apply(step, "log", 1006.0)
-        state.observe_windows([later] if window_first else [polled, later])
+    lines = [
+        ("log", parse_event({"id": f"log{i}", "time": 1001.0 + i, **e}))
+        for i, e in enumerate(healthy_log(restored=30, submitted=0, target=20))
+    ]
+    polled = ("tq", WindowView("train", "tq", 1005.0, {"pending": 4, "running": 4}))
+    step = ("log", parse_event({"id": "step", **ev("step_completed", global_step=41)}))  # untimed: its receipt
+    later = ("tq", WindowView("train", "tq", 1020.0, {"pending": 30}))
+    orders = {
+        "log lags": [polled, *lines, step],
+        "in order": [*lines, polled, step],
+        "poll lags": [*lines, step, polled],
+    }
+    for name, arrivals in orders.items():
+        state = Reconciler(GivenConfig("colocate_async", TrainerConfig(**t20), "flags"))
+        state.apply(checkpoint(), "checkpoint", 1000.0)
+        for received, (source, item) in enumerate([*arrivals, later], start=1006):
+            if isinstance(item, WindowView):
+                state.observe_windows([item])
+            else:
+                state.apply(item, source, float(received))
         [record] = state.records
         assert said(record) == {
             "restored": {"log": 30, "checkpoint": 8},
             "window_after_warmup": {"log R + M": 30, "tq": 8},
-        }, window_first
+        }, name
+        assert record.disagreements[-1].claims[1].at == 1005.0, name
 
 
 def test_every_pair_of_sources_is_compared() -> None:

@@ -64,6 +64,7 @@ from tqmon.warmup import (
 
 STEP_RATE_WINDOW = 10  # steps averaged for the step duration
 KEPT_COMPOSITIONS = 16  # checkpoint compositions kept for matching resumes to what they loaded
+RECENT_TRAIN_WINDOWS = 64  # train windows kept for a start whose reports arrive after them (a minute of polls)
 RESTART_CLAIM_SECONDS = 600.0  # a restart hint and a start reported this close together are one restart
 
 
@@ -107,6 +108,7 @@ class Reconciler:
         self._step_seconds: deque[float] = deque(maxlen=STEP_RATE_WINDOW)
         self._compositions: dict[int, SavedCheckpoint] = {}  # step -> a checkpoint's composition
         self._last_train_window: Claim | None = None  # never dropped: a lost window's size after a restart
+        self._train_windows: deque[Claim] = deque(maxlen=RECENT_TRAIN_WINDOWS)  # for a start heard after them
         # Since the open start began: the last step the trainer completed and saved, and its last timed event.
         self._step_completed: int | None = None
         self._step_saved: int | None = None
@@ -241,8 +243,7 @@ class Reconciler:
                 obs = self._observed
                 if obs is not None and not obs.sealed:
                     evicted = _str_keys(event.evicted_prompt_groups)
-                    obs.first_step_evictions = {r: evicted.get(r, 0) for r in DOOM_REASONS}
-                    obs.sealed_at = at
+                    obs.seal(at, {r: evicted.get(r, 0) for r in DOOM_REASONS})
                     obs.first_step_wait = event.generation_wait_seconds
                     obs.first_step_seconds = event.step_seconds
                     evidence_of = obs
@@ -259,6 +260,8 @@ class Reconciler:
             self.trainer_stepped_at = _latest(self.trainer_stepped_at, seen)
         if evidence_of is not None:
             evidence_of.evidence.append(Evidence(source, event.type, event.id, at, _describe(event)))
+            for window in self._train_windows:  # seen before this report made them count (the log lagged)
+                evidence_of.saw_window(window)
             self._rederive()
         if not isinstance(event, RunStarted):  # a new process announcing itself is not activity before a stop
             self._last_activity = _latest(self._last_activity, self._event_time)
@@ -296,8 +299,9 @@ class Reconciler:
             return
         seen = Claim(window.source, window.total, window.observed_at, event_id)
         self._last_train_window = seen
+        self._train_windows.append(seen)
         obs = self._observed
-        if obs is not None and obs.saw_window(seen):  # it also takes a poll taken before its first step's line
+        if obs is not None and obs.saw_window(seen):  # by when it was seen, not when it arrived
             self._rederive()
 
     def _saved(self, event: CheckpointSaved, source: str, at: float) -> None:
