@@ -21,7 +21,7 @@ from tqmon.cli import main
 from tqmon.derivation import predict_resume
 from tqmon.events import CheckpointSaved, GroupCount, parse_event
 from tqmon.judge import Bounds, exact, has_tq_dir, window_bounds
-from tqmon.reconcile import Reconciler
+from tqmon.reconcile import KEPT_COMPOSITIONS, Reconciler
 from tqmon.snapshot import Claim, ResumeRecord, WindowView
 from tqmon.warmup import GivenConfig, TrainerConfig, WarmupState
 
@@ -112,6 +112,61 @@ def test_a_miscounted_restore_contradicts_the_checkpoint_and_the_live_window() -
     window_check = record.disagreements[-1]
     assert window_check.tolerance == "allowed 30..34"  # R + M, up to one batch more; nothing doomed
     assert window_check.claims[1].at == 1005.0  # when the window was seen
+
+
+def test_a_miscounted_restore_keeps_its_verdict_whatever_the_arrival_order_and_while_the_trainer_saves_on() -> None:
+    """The verdict on the miscounted restore is the same whether the log or the checkpoint's composition
+    arrives first, and it stays once the trainer has saved more checkpoints after the resume than tqmon keeps
+    compositions (it saves every 2 steps in the demo, so after ~17 s): the loaded one stays pinned."""
+    t20 = T12 | {"num_warmup_batches": 5}
+    logged = log(
+        *healthy_log(restored=30, submitted=0, target=20), window(4, 3, 5), ev("step_completed", global_step=41)
+    )
+    saves_after: list[tuple[str, dict[str, Any] | CheckpointSaved]] = [
+        ("checkpoint", checkpoint(step, [GroupCount(status="pending", global_steps=step, count=8)]))
+        for step in range(42, 42 + KEPT_COMPOSITIONS + 2)
+    ]
+    expected = {"restored": {"log": 30, "checkpoint": 8}, "window_after_warmup": {"log R + M": 30, "log": 12}}
+    loaded: tuple[str, dict[str, Any] | CheckpointSaved] = ("checkpoint", checkpoint())
+    for steps in ([loaded, *logged], [*logged, loaded]):
+        state = fold(*steps, *saves_after, config=t20)
+        [record] = state.records
+        assert said(record) == expected
+        assert record.disagreements[-1].tolerance == "allowed 30..34"  # global_step_40's split: nothing doomed
+
+
+def test_the_window_compared_is_the_first_polled_after_the_decision_whichever_source_tqmon_hears_first() -> None:
+    """The TQ poller and the log race: the window polled after the decision (the log's lines carry the trainer's
+    times, 1001-1004) and before the first step completed is the one compared, whether it arrives before the
+    log lines (the log lags), between them and the step line, or after the step line; a poll taken after the
+    step line is not (the next step has changed the window since)."""
+    t20 = T12 | {"num_warmup_batches": 5}
+    lines = [
+        ("log", parse_event({"id": f"log{i}", "time": 1001.0 + i, **e}))
+        for i, e in enumerate(healthy_log(restored=30, submitted=0, target=20))
+    ]
+    polled = ("tq", WindowView("train", "tq", 1005.0, {"pending": 4, "running": 4}))
+    step = ("log", parse_event({"id": "step", **ev("step_completed", global_step=41)}))  # untimed: its receipt
+    later = ("tq", WindowView("train", "tq", 1020.0, {"pending": 30}))
+    orders = {
+        "log lags": [polled, *lines, step],
+        "in order": [*lines, polled, step],
+        "poll lags": [*lines, step, polled],
+    }
+    for name, arrivals in orders.items():
+        state = Reconciler(GivenConfig("colocate_async", TrainerConfig(**t20), "flags"))
+        state.apply(checkpoint(), "checkpoint", 1000.0)
+        for received, (source, item) in enumerate([*arrivals, later], start=1006):
+            if isinstance(item, WindowView):
+                state.observe_windows([item])
+            else:
+                state.apply(item, source, float(received))
+        [record] = state.records
+        assert said(record) == {
+            "restored": {"log": 30, "checkpoint": 8},
+            "window_after_warmup": {"log R + M": 30, "tq": 8},
+        }, name
+        assert record.disagreements[-1].claims[1].at == 1005.0, name
 
 
 def test_every_pair_of_sources_is_compared() -> None:

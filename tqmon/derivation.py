@@ -96,6 +96,7 @@ class Observed:
     skip_reason: str | None = None
     legacy_batches: int | None = None
     first_step_evictions: dict[str, int] | None = None
+    sealed_at: float | None = None  # when its first step completed (the line's time, else its receipt)
     first_step_wait: float | None = None
     evidence: list[Evidence] = field(default_factory=list)
     claims: dict[str, list[Claim]] = field(default_factory=dict)  # quantity -> what each source said, in order
@@ -131,17 +132,30 @@ class Observed:
         """Keep the windows the judge compares; True when this one is kept.
 
         Only windows seen once the trainer reported its restore (or its decision) count: before that a new
-        controller is still being loaded and a poll sees it half-filled.
+        controller is still being loaded and a poll sees it half-filled. And only those seen before its first
+        step completed. The first is the earliest by when it was seen, not by when it arrived: the TQ poller
+        and the log race, and the verdict must not depend on which tqmon heard first (the reconciler offers
+        again the windows seen before a report that makes them count).
         """
         reported = [t for t in (self.restored_at, self.decided_at) if t is not None]
-        if not reported or window.at < min(reported):
+        if not reported or window.at < min(reported) or (self.sealed_at is not None and window.at > self.sealed_at):
             return False
-        kept = self.first_window is None
+        kept = self.first_window is None or window.at < self.first_window.at
         if kept:
             self.first_window = window
-        if self.window_after_decision is None and self.decided_at is not None and window.at >= self.decided_at:
+        after = self.window_after_decision
+        if self.decided_at is not None and window.at >= self.decided_at and (after is None or window.at < after.at):
             self.window_after_decision, kept = window, True
         return kept
+
+    def seal(self, at: float, first_step_evictions: dict[str, int]) -> None:
+        """Its first step completed at ``at``: a window seen after that is the next step's, even one that
+        arrived before the step's line did."""
+        self.first_step_evictions, self.sealed_at = first_step_evictions, at
+        if self.first_window is not None and self.first_window.at > at:
+            self.first_window = None
+        if self.window_after_decision is not None and self.window_after_decision.at > at:
+            self.window_after_decision = None
 
     @property
     def decided(self) -> bool:

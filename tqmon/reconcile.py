@@ -66,6 +66,7 @@ from tqmon.warmup import (
 
 STEP_RATE_WINDOW = 10  # steps averaged for the step duration
 KEPT_COMPOSITIONS = 16  # checkpoint compositions kept for matching resumes to what they loaded
+RECENT_TRAIN_WINDOWS = 64  # train windows kept for a start whose reports arrive after them (a minute of polls)
 RESTART_CLAIM_SECONDS = 600.0  # a restart hint and a start reported this close together are one restart
 
 
@@ -109,6 +110,7 @@ class Reconciler:
         self._step_seconds: deque[float] = deque(maxlen=STEP_RATE_WINDOW)
         self._compositions: dict[int, SavedCheckpoint] = {}  # step -> a checkpoint's composition
         self._last_train_window: Claim | None = None  # never dropped: a lost window's size after a restart
+        self._train_windows: deque[Claim] = deque(maxlen=RECENT_TRAIN_WINDOWS)  # for a start heard after them
         # Since the open start began: the last step the trainer completed and saved, and its last timed event.
         self._step_completed: int | None = None
         self._step_saved: int | None = None
@@ -259,7 +261,7 @@ class Reconciler:
                 obs = self._observed
                 if obs is not None and not obs.sealed:
                     evicted = _str_keys(event.evicted_prompt_groups)
-                    obs.first_step_evictions = {r: evicted.get(r, 0) for r in DOOM_REASONS}
+                    obs.seal(at, {r: evicted.get(r, 0) for r in DOOM_REASONS})
                     obs.first_step_wait = event.generation_wait_seconds
                     obs.first_step_seconds = event.step_seconds
                     evidence_of = obs
@@ -276,6 +278,8 @@ class Reconciler:
             self.trainer_stepped_at = _latest(self.trainer_stepped_at, seen)
         if evidence_of is not None:
             evidence_of.evidence.append(Evidence(source, event.type, event.id, at, _describe(event)))
+            for window in self._train_windows:  # seen before this report made them count (the log lagged)
+                evidence_of.saw_window(window)
             self._rederive()
         if not isinstance(event, RunStarted):  # a new process announcing itself is not activity before a stop
             self._last_activity = _latest(self._last_activity, self._event_time)
@@ -313,8 +317,9 @@ class Reconciler:
             return
         seen = Claim(window.source, window.total, window.observed_at, event_id)
         self._last_train_window = seen
+        self._train_windows.append(seen)
         obs = self._observed
-        if obs is not None and not obs.sealed and obs.saw_window(seen):
+        if obs is not None and obs.saw_window(seen):  # by when it was seen, not when it arrived
             self._rederive()
 
     def _saved(self, event: CheckpointSaved, source: str, at: float) -> None:
@@ -327,8 +332,7 @@ class Reconciler:
         bare = event.status_counts() is None
         if not bare:
             self._compositions[event.step] = (event, source, at)
-            while len(self._compositions) > KEPT_COMPOSITIONS:
-                del self._compositions[min(self._compositions)]
+            self._trim_compositions()
         # Never step back, and a bare log line never hides a composition read for the same step.
         older = current is not None and event.step < current.step
         if not older and not (bare and current is not None and current.step == event.step and current.by_status):
@@ -336,6 +340,17 @@ class Reconciler:
             self._derive_checkpoint()
         if not bare:
             self._rederive()  # the open start may have resumed from this very checkpoint
+
+    def _trim_compositions(self) -> None:
+        """Keep the newest :data:`KEPT_COMPOSITIONS`, and always the ones the open start is judged against (the
+        checkpoint it loaded, the newest before it): the trainer saves on after a resume, and dropping them
+        would withdraw the verdicts they gave (the composition's R, the live window's bounds) mid-run."""
+        obs = self._observed
+        step = obs.checkpoint_step if obs is not None and obs.resumed else None
+        before = self._before(step)
+        pinned = {step, None if before is None else before[0].step}
+        while len(self._compositions) > KEPT_COMPOSITIONS:
+            del self._compositions[min(s for s in self._compositions if s not in pinned)]
 
     def observe_checkpoint_dir(self, event: CheckpointSaved | None) -> None:
         """The checkpoint dir as it is now: its latest checkpoint, or None when it has none it can read (gone,
